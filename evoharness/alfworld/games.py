@@ -1,0 +1,98 @@
+"""The game loader: one listing for generated games and the official ALFWorld json_2.1.1 splits.
+
+Both use the official layout ``<split>/<task>-<obj>-<mrecep>-<recep>-<scene>/trial_*/`` holding
+``traj_data.json`` and ``game.tw-pddl``; the rules for which games count are AlfredTWEnv's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from evoharness.alfworld.families import FAMILIES, SPLITS
+from evoharness.errors import EvoError
+
+GAME_FILE = "game.tw-pddl"
+TRAJ_FILE = "traj_data.json"
+
+
+@dataclass(frozen=True)
+class Game:
+    """One playable game. ``id`` is ``<split>/<task dir>/<trial>``: stable across machines.
+
+    ``error`` is set when the files are unreadable; such a game is still listed so that an
+    evaluation reports it as an errored episode rather than silently skipping it.
+    """
+
+    id: str
+    path: str
+    split: str
+    family: str
+    error: str | None = None
+
+    @property
+    def short_family(self) -> str:
+        return FAMILIES.get(self.family, self.family)
+
+
+def official_root() -> Path | None:
+    """``$ALFWORLD_DATA/json_2.1.1`` when it holds the official splits, else None."""
+    root = os.environ.get("ALFWORLD_DATA")
+    if not root:
+        return None
+    p = Path(root) / "json_2.1.1"
+    return p if p.is_dir() else None
+
+
+def resolve_root(root: str | Path | None) -> Path:
+    if root is not None:
+        return Path(root)
+    official = official_root()
+    if official is None:
+        raise EvoError("no games root given and $ALFWORLD_DATA/json_2.1.1 does not exist; run `evoharness games` first")
+    return official
+
+
+def _read_game(trial: Path, root: Path, split: str) -> Game | None:
+    gid = trial.relative_to(root).as_posix()
+    gpath = trial / GAME_FILE
+    try:
+        traj = json.loads((trial / TRAJ_FILE).read_text())
+        family = traj["task_type"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Game(gid, str(gpath), split, "unknown", f"{trial / TRAJ_FILE}: unreadable traj_data ({type(e).__name__}: {e})")
+    if family not in FAMILIES:
+        return None  # movable-receptacle tasks etc.: AlfredTWEnv skips them too
+    if not gpath.exists():
+        return None
+    try:
+        data = json.loads(gpath.read_text())
+        for key in ("pddl_domain", "grammar", "pddl_problem"):
+            if not isinstance(data.get(key), str):
+                raise ValueError(f"missing field {key!r}")
+    except (OSError, ValueError) as e:
+        return Game(gid, str(gpath), split, family, f"{gpath}: corrupt game file ({e})")
+    if data.get("solvable") is not True:
+        return None
+    return Game(gid, str(gpath), split, family)
+
+
+def list_games(root: str | Path | None, split: str, families: list[str] | None = None) -> list[Game]:
+    """Every game of a split, sorted by id; AlfredTWEnv's rules (solvable, no movable/Sliced)."""
+    if split not in SPLITS:
+        raise EvoError(f"unknown split {split!r} (known: {', '.join(SPLITS)})")
+    base = resolve_root(root)
+    sdir = base / split
+    if not sdir.is_dir():
+        raise EvoError(f"split folder {sdir} does not exist")
+    out = []
+    for traj in sorted(sdir.glob(f"*/*/{TRAJ_FILE}")):
+        trial = traj.parent
+        if "movable" in str(trial) or "Sliced" in str(trial):
+            continue
+        g = _read_game(trial, base, split)
+        if g is not None and (families is None or g.family in families or g.error):
+            out.append(g)
+    return out

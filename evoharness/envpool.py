@@ -1,0 +1,165 @@
+"""Environment workers: the real engine in worker processes behind reset(game) / step(action).
+
+The engine is slow and not thread-safe, so each worker process owns one ``Engine``; the
+parent talks to it over a pipe with a deadline per call. A worker that crashes or hangs is
+killed and replaced, and the call raises ``EnvWorkerError`` so that the episode it served is
+reported as errored, never dropped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, TypeVar
+
+from evoharness.alfworld.engine import EnvStep
+from evoharness.errors import EnvWorkerError, EvoError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_CTX = mp.get_context("spawn")  # the parent runs threads; forking them is unsafe
+
+
+def _worker_main(conn, expert: bool) -> None:
+    from evoharness.alfworld.engine import Engine
+
+    engine = Engine(expert=expert)
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if cmd == "close":
+            return
+        try:
+            if cmd == "reset":
+                result = engine.reset(*args)
+            elif cmd == "step":
+                result = engine.step(*args)
+            elif cmd == "crash":  # test hook: simulate the engine dying mid-episode
+                import os
+
+                os._exit(3)
+            elif cmd == "hang":  # test hook: simulate a hung engine
+                import time
+
+                time.sleep(3600)
+                result = None
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", result))
+        except Exception as e:  # an engine error belongs to this game, not to the worker
+            conn.send(("err", f"{type(e).__name__}: {e}".splitlines()[0][:500]))
+
+
+class EnvWorker:
+    """One engine in one process. ``reset`` loads the game only when it changed."""
+
+    def __init__(self, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True):
+        self.step_timeout = step_timeout
+        self.reset_timeout = reset_timeout
+        self.expert = expert
+        self.proc: mp.Process | None = None
+        self.conn = None
+        self.restarts = 0
+        self.game: str | None = None
+
+    def _start(self) -> None:
+        parent, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_worker_main, args=(child, self.expert), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join(5)
+        self.proc, self.conn, self.game = None, None, None
+
+    def _call(self, cmd: str, args: tuple, timeout: float, what: str):
+        if self.proc is None or not self.proc.is_alive():
+            if self.proc is not None:
+                self.restarts += 1
+            self._start()
+        pid = self.proc.pid
+        try:
+            self.conn.send((cmd, args))
+            if not self.conn.poll(timeout):
+                self._kill()
+                self.restarts += 1
+                raise EnvWorkerError(f"environment worker {pid} hung for over {timeout:.0f}s on {what}; replaced")
+            status, result = self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            code = self.proc.exitcode if self.proc is not None else None
+            self._kill()
+            self.restarts += 1
+            raise EnvWorkerError(f"environment worker {pid} died (exit code {code}) on {what}; replaced") from None
+        if status == "err":
+            raise EvoError(f"{what}: {result}")
+        return result
+
+    def reset(self, gamefile: str, seed: int = 0) -> EnvStep:
+        self.game = gamefile
+        return self._call("reset", (gamefile, seed), self.reset_timeout, f"reset of {gamefile}")
+
+    def step(self, action: str) -> EnvStep:
+        return self._call("step", (action,), self.step_timeout, f"step {action!r} in {self.game}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(("close", ()))
+                self.proc.join(5)
+            except (BrokenPipeError, OSError):
+                pass
+        self._kill()
+
+
+class EnvPool:
+    """N workers; ``map`` runs one job per worker at a time from the parent's threads."""
+
+    def __init__(self, n_workers: int = 2, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True):
+        if n_workers < 1:
+            raise EvoError(f"n_workers must be at least 1, got {n_workers}")
+        self.workers = [EnvWorker(step_timeout, reset_timeout, expert) for _ in range(n_workers)]
+        self._free: queue.Queue[EnvWorker] = queue.Queue()
+        for w in self.workers:
+            self._free.put(w)
+
+    def __enter__(self) -> "EnvPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def map(self, fn: Callable[[EnvWorker, T], R], jobs: Iterable[T], on_result: Callable[[T, R], None] | None = None) -> list[R]:
+        """Run ``fn(worker, job)`` for every job; results in job order. ``fn`` must not raise
+        for per-job failures (it records them); anything it raises stops the batch."""
+        jobs = list(jobs)
+        lock = threading.Lock()
+
+        def run(job):
+            w = self._free.get()
+            try:
+                r = fn(w, job)
+            finally:
+                self._free.put(w)
+            if on_result is not None:
+                with lock:
+                    on_result(job, r)
+            return r
+
+        with ThreadPoolExecutor(max_workers=len(self.workers)) as ex:
+            return list(ex.map(run, jobs))
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()

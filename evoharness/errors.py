@@ -1,0 +1,18 @@
+"""One error type whose message is a single line naming what went wrong and where."""
+
+from __future__ import annotations
+
+
+class EvoError(Exception):
+    """A user-facing failure: bad input, bad config, missing file, unreachable endpoint.
+
+    The CLI prints ``error: <message>`` and exits 2; nothing else is printed, so the
+    message itself must say what and where (a path, a line number, a field name).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class EnvWorkerError(EvoError):
+    """An environment worker crashed or hung; the episode it served is reported as errored."""
