@@ -75,7 +75,7 @@ class EnvWorker:
         self.conn = parent
 
     def _kill(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.pid is not None:
             self.proc.kill()
             self.proc.join(5)
         self.proc, self.conn, self.game = None, None, None

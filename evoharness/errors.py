@@ -16,3 +16,8 @@ class EvoError(Exception):
 
 class EnvWorkerError(EvoError):
     """An environment worker crashed or hung; the episode it served is reported as errored."""
+
+
+class PolicyError(EvoError):
+    """The policy itself cannot act (unreachable endpoint, missing checkpoint): stops the batch,
+    since every further episode would fail the same way. Finished episodes are already saved."""

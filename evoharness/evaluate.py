@@ -1,0 +1,99 @@
+"""Evaluation: every game of a split exactly once per seed; success per family and overall,
+steps, harness calls per episode by verb, invalid rate. Resumable: an episode whose
+fingerprint is already in ``episodes.jsonl`` (and did not error) is not played again."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from evoharness.alfworld.families import FAMILIES
+from evoharness.alfworld.games import Game
+from evoharness.envpool import EnvPool
+from evoharness.episode import EpisodeConfig, fingerprint
+from evoharness.harness.experience import Experience
+from evoharness.harness.workspace import META_VERBS
+from evoharness.policies import PolicySpec, make_policy
+from evoharness.rollout import JsonlWriter, read_jsonl, run_batch
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per family and overall: episodes, success, mean steps, calls per episode by verb, invalid rate."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[FAMILIES.get(r["family"], r["family"])].append(r)
+        groups["all"].append(r)
+
+    def agg(rs: list[dict]) -> dict:
+        ok = [r for r in rs if not r.get("error")]
+        n = len(ok)
+        turns = sum(r["outcome"]["turns"] for r in ok)
+        return {
+            "episodes": len(rs),
+            "errored": len(rs) - n,
+            "success": round(sum(r["outcome"]["won"] for r in ok) / n, 4) if n else 0.0,
+            "steps": round(sum(r["outcome"]["steps"] for r in ok) / n, 2) if n else 0.0,
+            "calls": {v: round(sum(r["outcome"]["calls"][v] for r in ok) / n, 3) if n else 0.0 for v in META_VERBS},
+            "invalid_rate": round(sum(r["outcome"]["invalid"] for r in ok) / turns, 4) if turns else 0.0,
+        }
+
+    order = [f for f in FAMILIES.values() if f in groups] + [k for k in groups if k not in FAMILIES.values() and k != "all"]
+    return {k: agg(groups[k]) for k in order + (["all"] if "all" in groups else [])}
+
+
+def format_table(title: str, summary: dict) -> str:
+    head = f"{'family':<8} {'n':>4} {'err':>4} {'success':>8} {'steps':>6} " + " ".join(f"{v:>7}" for v in META_VERBS) + f" {'invalid':>8}"
+    lines = [title, head, "-" * len(head)]
+    for fam, s in summary.items():
+        lines.append(
+            f"{fam:<8} {s['episodes']:>4} {s['errored']:>4} {100 * s['success']:>7.1f}% {s['steps']:>6.1f} "
+            + " ".join(f"{s['calls'][v]:>7.2f}" for v in META_VERBS)
+            + f" {100 * s['invalid_rate']:>7.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def evaluate(
+    games: list[Game],
+    spec: PolicySpec,
+    cfg: EpisodeConfig,
+    seeds: list[int],
+    out_dir: Path,
+    workers: int = 2,
+    bank: Experience | None = None,
+    progress: Callable[[dict], None] | None = None,
+    pool: EnvPool | None = None,
+) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    episodes = out_dir / "episodes.jsonl"
+    existing, bad_lines = read_jsonl(episodes)
+    policy = make_policy(spec)
+    wanted = {fingerprint(g, s, policy, cfg, bank): (g, s) for s in seeds for g in games}
+    have = {r["fingerprint"]: r for r in existing if r.get("fingerprint") in wanted and not r.get("error")}
+    todo = [job for fp, job in wanted.items() if fp not in have]
+    own = pool is None
+    pool = pool or EnvPool(workers)
+    try:
+        new = run_batch(pool, todo, spec, cfg, bank, JsonlWriter(episodes), progress) if todo else []
+    finally:
+        if own:
+            pool.close()
+    records = list(have.values()) + new
+    records.sort(key=lambda r: (r["game_id"], r["seed"]))
+    result = {
+        "policy": policy.name,
+        "policy_fingerprint": policy.fingerprint(),
+        "episode_config": cfg.model_dump(),
+        "split": sorted({g.split for g in games}),
+        "seeds": seeds,
+        "games": len(games),
+        "reused": len(have),
+        "played": len(new),
+        "unparsed_lines": bad_lines,
+        "summary": summarize(records),
+    }
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    return result

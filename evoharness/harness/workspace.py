@@ -1,0 +1,110 @@
+"""The BPE workspace H_t = (Belief, Progress, Experience), reached only through meta-actions.
+
+Meta-actions never touch the simulator: the workspace answers them, and the answer is shown
+on the next turn. Modes: ``env_only`` (ReAct, no harness), ``always_on`` (panels injected
+every turn, env actions only), ``inline`` (the four verbs available). Each module can be
+switched off for ablations; a disabled verb is an invalid action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from evoharness.harness.belief import Belief
+from evoharness.harness.experience import Experience
+from evoharness.harness.progress import Progress
+
+META_VERBS = ("track", "commit", "recall", "note")
+VERB_MODULE = {"track": "belief", "commit": "progress", "recall": "experience", "note": "experience"}
+Mode = Literal["env_only", "always_on", "inline"]
+
+
+class HarnessConfig(BaseModel):
+    """Which harness the agent acts through. ``charge_meta_actions``: a meta-action costs a step
+    (on in GRPO training, off in the reported evaluations)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    mode: Mode = "inline"
+    belief: bool = True
+    progress: bool = True
+    experience: bool = True
+    charge_meta_actions: bool = False
+
+    @property
+    def verbs(self) -> tuple[str, ...]:
+        if self.mode != "inline":
+            return ()
+        return tuple(v for v in META_VERBS if getattr(self, VERB_MODULE[v]))
+
+
+@dataclass
+class Workspace:
+    """One episode's workspace. The Experience bank is shared and read-only here."""
+
+    config: HarnessConfig
+    bank: Experience | None
+    task: str = ""
+    family: str = ""
+    belief: Belief = field(default_factory=Belief)
+    progress: Progress = field(default_factory=Progress)
+    notes: list[str] = field(default_factory=list)
+    recalled: list[str] = field(default_factory=list)
+    hints: str = ""
+    result: str = ""
+
+    def start(self, observation: str) -> None:
+        self.belief.observe(None, observation)
+        if self.config.mode == "always_on" and self.config.experience and self.bank is not None:
+            self.hints, ids = self.bank.recall(self.task, self.family)
+            self.recalled.extend(ids)
+
+    def observe(self, action: str, observation: str) -> None:
+        self.belief.observe(action, observation)
+
+    def handle(self, verb: str, arg: str) -> tuple[bool, str]:
+        """Answer a meta-action; (valid, text shown next turn). A disabled verb is invalid."""
+        if verb not in self.config.verbs:
+            return False, "Nothing happens."
+        arg = arg.strip()
+        if verb == "track":
+            out = self.belief.answer(arg)
+        elif verb == "commit":
+            out = self.progress.commit(arg)
+        elif verb == "recall":
+            if self.bank is None:
+                out = "no experience yet"
+            else:
+                out, ids = self.bank.recall(arg or self.task, self.family)
+                self.recalled.extend(ids)
+                self.hints = out
+        else:  # note
+            if not arg:
+                return False, "note needs an insight"
+            self.notes.append(arg)
+            out = "noted"
+        self.result = f"{verb}: {out}"
+        return True, self.result
+
+    def views(self) -> dict[str, str]:
+        """The panels the prompt shows this turn (empty dict in env_only)."""
+        cfg = self.config
+        if cfg.mode == "env_only":
+            return {}
+        v: dict[str, str] = {}
+        if cfg.mode == "always_on":
+            if cfg.belief:
+                v["BELIEF"] = self.belief.summary()
+            if cfg.progress:
+                v["PLAN"] = self.progress.checklist()
+            if cfg.experience:
+                v["HINTS"] = self.hints or "none"
+            return v
+        if cfg.progress:
+            v["PLAN"] = self.progress.checklist()
+        if cfg.experience:
+            v["HINTS"] = self.hints or "none"
+        v["RESULT"] = self.result or "none"
+        return v

@@ -1,0 +1,64 @@
+"""Policies: who writes the response on each turn. ``make_policy`` builds one from a spec."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from evoharness.errors import EvoError
+
+KINDS = ("teacher", "random", "chat", "hf")
+
+
+class PolicySpec(BaseModel):
+    """A policy by kind plus its settings. ``noise`` (teacher): chance per env step of a random
+    admissible command instead of the expert's. ``base_url``/``model``/``api_key_env`` (chat):
+    any OpenAI-compatible endpoint, the key read from that environment variable. ``path``
+    (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["teacher", "random", "chat", "hf"]
+    noise: float = 0.0
+    base_url: str = ""
+    model: str = ""
+    api_key_env: str = "OPENAI_API_KEY"
+    path: str = ""
+    sample: bool = False
+    temperature: float = 1.0
+    max_new_tokens: int = 96
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """``teacher``, ``teacher:noise=0.2``, ``random``, ``hf:path=models/sft``, ``chat:base_url=...,model=...``."""
+    kind, _, rest = text.partition(":")
+    if kind not in KINDS:
+        raise EvoError(f"unknown policy {kind!r} (known: {', '.join(KINDS)})")
+    fields: dict = {"kind": kind}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise EvoError(f"policy {text!r}: option {item!r} is not key=value")
+        fields[k.strip()] = v.strip()
+    try:
+        return PolicySpec(**fields)
+    except Exception as e:  # pydantic's message, folded to one line
+        raise EvoError(f"policy {text!r}: {str(e).splitlines()[0]}; {' '.join(str(e).splitlines()[1:3])}") from None
+
+
+def make_policy(spec: PolicySpec):
+    if spec.kind == "teacher":
+        from evoharness.policies.teacher import TeacherPolicy
+
+        return TeacherPolicy(noise=spec.noise)
+    if spec.kind == "random":
+        from evoharness.policies.random_policy import RandomPolicy
+
+        return RandomPolicy()
+    if spec.kind == "chat":
+        from evoharness.policies.chat import ChatPolicy
+
+        return ChatPolicy(spec.base_url, spec.model, spec.api_key_env, temperature=spec.temperature if spec.sample else 0.0, max_tokens=spec.max_new_tokens)
+    from evoharness.policies.hf import HFPolicy
+
+    return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens)
