@@ -1,0 +1,105 @@
+"""Typed, validated parameters (``params.yaml``). A wrong field fails at load, naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from evoharness.alfworld.families import DEFAULT_UNSEEN_SCENES, FAMILIES
+from evoharness.episode import EpisodeConfig
+from evoharness.errors import EvoError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GamesParams(_Strict):
+    per_family: dict[str, int] = Field(default_factory=lambda: {"train": 8, "valid_seen": 3, "valid_unseen": 3})
+    families: list[str] = Field(default_factory=lambda: list(FAMILIES))
+    unseen_scenes: list[int] = Field(default_factory=lambda: list(DEFAULT_UNSEEN_SCENES))
+    max_per_type: int = Field(4, ge=1)
+    distractors: int = Field(4, ge=0)
+    max_expert_steps: int = Field(60, ge=5)
+
+    @field_validator("per_family")
+    @classmethod
+    def _splits(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = set(v) - {"train", "valid_seen", "valid_unseen"}
+        if bad:
+            raise ValueError(f"unknown split(s) {sorted(bad)}")
+        if any(n < 0 for n in v.values()):
+            raise ValueError("counts must be >= 0")
+        return v
+
+    @field_validator("families")
+    @classmethod
+    def _families(cls, v: list[str]) -> list[str]:
+        bad = [f for f in v if f not in FAMILIES]
+        if bad:
+            raise ValueError(f"unknown families {bad}")
+        return v
+
+
+class DemosParams(_Strict):
+    n: int = Field(96, ge=1)
+    noise: float = Field(0.15, ge=0.0, le=1.0)
+    batch_size: int = Field(16, ge=1)
+
+
+class EvalParams(_Strict):
+    seeds: list[int] = Field(default_factory=lambda: [0])
+    baselines: list[str] = Field(default_factory=lambda: ["teacher", "random"])
+
+
+class Params(_Strict):
+    seed: int = 0
+    profile: str = "tiny-cpu"
+    workers: int = Field(2, ge=1)
+    games: GamesParams = GamesParams()
+    episode: EpisodeConfig = EpisodeConfig()
+    demos: DemosParams = DemosParams()
+    eval: EvalParams = EvalParams()
+
+
+def _one_line(e: ValidationError, where: str) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})"[:200])
+    return f"{where}: " + "; ".join(parts)
+
+
+def load_params(path: str | Path | None = "params.yaml") -> Params:
+    """Load and validate params; a missing default file means defaults, a missing named file is an error."""
+    if path is None:
+        return Params()
+    p = Path(path)
+    if not p.exists():
+        if str(path) == "params.yaml":
+            return Params()
+        raise EvoError(f"params file {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise EvoError(f"{p}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise EvoError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
+    known = set(Params.model_fields)
+    unknown = [k for k in raw if k not in known and k not in _FOREIGN_OK]
+    if unknown:
+        raise EvoError(f"{p}: unknown top-level key(s) {unknown} (known: {sorted(known | _FOREIGN_OK)})")
+    # Sections owned by later stages are validated by those stages, not here.
+    raw = {k: v for k, v in raw.items() if k in known}
+    try:
+        return Params(**raw)
+    except ValidationError as e:
+        raise EvoError(_one_line(e, str(p))) from None
+
+
+# Sections read by other parts of the pipeline (training profiles, tracking, promotion).
+_FOREIGN_OK = {"profiles", "sft", "grpo", "promotion", "tracking", "pairs", "validate", "remote"}
