@@ -23,10 +23,10 @@ R = TypeVar("R")
 _CTX = mp.get_context("spawn")  # the parent runs threads; forking them is unsafe
 
 
-def _worker_main(conn, expert: bool) -> None:
+def _worker_main(conn, expert: bool, speedups: bool = True) -> None:
     from evoharness.alfworld.engine import Engine
 
-    engine = Engine(expert=expert)
+    engine = Engine(expert=expert, speedups=speedups)
     while True:
         try:
             cmd, args = conn.recv()
@@ -58,7 +58,8 @@ def _worker_main(conn, expert: bool) -> None:
 class EnvWorker:
     """One engine in one process. ``reset`` loads the game only when it changed."""
 
-    def __init__(self, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True):
+    def __init__(self, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True, speedups: bool = True):
+        self.speedups = speedups
         self.step_timeout = step_timeout
         self.reset_timeout = reset_timeout
         self.expert = expert
@@ -69,7 +70,7 @@ class EnvWorker:
 
     def _start(self) -> None:
         parent, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_worker_main, args=(child, self.expert), daemon=True)
+        self.proc = _CTX.Process(target=_worker_main, args=(child, self.expert, self.speedups), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
@@ -94,7 +95,10 @@ class EnvWorker:
                 raise EnvWorkerError(f"environment worker {pid} hung for over {timeout:.0f}s on {what}; replaced")
             status, result = self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
-            code = self.proc.exitcode if self.proc is not None else None
+            code = None
+            if self.proc is not None:
+                self.proc.join(2)
+                code = self.proc.exitcode
             self._kill()
             self.restarts += 1
             raise EnvWorkerError(f"environment worker {pid} died (exit code {code}) on {what}; replaced") from None
@@ -122,10 +126,10 @@ class EnvWorker:
 class EnvPool:
     """N workers; ``map`` runs one job per worker at a time from the parent's threads."""
 
-    def __init__(self, n_workers: int = 2, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True):
+    def __init__(self, n_workers: int = 2, step_timeout: float = 30.0, reset_timeout: float = 180.0, expert: bool = True, speedups: bool = True):
         if n_workers < 1:
             raise EvoError(f"n_workers must be at least 1, got {n_workers}")
-        self.workers = [EnvWorker(step_timeout, reset_timeout, expert) for _ in range(n_workers)]
+        self.workers = [EnvWorker(step_timeout, reset_timeout, expert, speedups) for _ in range(n_workers)]
         self._free: queue.Queue[EnvWorker] = queue.Queue()
         for w in self.workers:
             self._free.put(w)

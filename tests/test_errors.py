@@ -1,0 +1,175 @@
+"""Bad input gets one clear line naming what and where, and no other episode is lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from evoharness.alfworld.games import list_games
+from evoharness.config import load_params
+from evoharness.envpool import EnvPool, EnvWorker
+from evoharness.episode import EpisodeConfig
+from evoharness.errors import EnvWorkerError, EvoError, PolicyError
+from evoharness.evaluate import evaluate
+from evoharness.policies import PolicySpec, make_policy, parse_policy
+
+CLI = [sys.executable, "-m", "evoharness.cli"]
+
+
+def test_corrupt_game_file_errors_that_episode_only(games_copy, tmp_path):
+    games = list_games(games_copy, "valid_seen")
+    bad = games[2]
+    open(bad.path, "w").write('{"pddl_domain": "trunc')
+    games = list_games(games_copy, "valid_seen")
+    assert sum(g.error is not None for g in games) == 1
+    r = evaluate(games, PolicySpec(kind="teacher"), EpisodeConfig(), [0], tmp_path / "ev", workers=2)
+    s = r["summary"]["all"]
+    assert s["episodes"] == 6 and s["errored"] == 1 and s["success"] == 1.0
+    recs = [json.loads(x) for x in (tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()]
+    err = next(x for x in recs if x["error"])
+    assert "corrupt game file" in err["error"] and bad.path in err["error"]
+
+
+def test_dead_worker_is_replaced_and_reported(games_root):
+    game = list_games(games_root, "valid_seen")[0]
+    w = EnvWorker(step_timeout=5)
+    try:
+        w.reset(game.path, 0)
+        with pytest.raises(EnvWorkerError, match=r"died \(exit code 3\)"):
+            w._call("crash", (), 5, "crash test")
+        assert w.reset(game.path, 0).admissible  # a fresh worker took over
+        with pytest.raises(EnvWorkerError, match="hung for over 1s"):
+            w._call("hang", (), 1, "hang test")
+        assert w.reset(game.path, 0).admissible and w.restarts == 2
+    finally:
+        w.close()
+
+
+def test_worker_crash_mid_batch_loses_no_other_episode(games_root, tmp_path):
+    """One episode's engine process is killed mid-episode; the batch finishes, that episode is
+    reported as errored, its worker replaced, and every other episode is kept."""
+    import os
+    import signal
+
+    from evoharness.episode import run_episode
+    from evoharness.policies.teacher import TeacherPolicy
+    from evoharness.rollout import JsonlWriter
+
+    games = list_games(games_root, "valid_unseen")
+    victim = games[1].id
+
+    class Killer(TeacherPolicy):
+        def __init__(self, worker):
+            super().__init__()
+            self.worker, self.turn = worker, 0
+
+        def act(self, prompt, view, privileged):
+            self.turn += 1
+            if self.turn == 3:
+                os.kill(self.worker.proc.pid, signal.SIGKILL)
+            return super().act(prompt, view, privileged)
+
+    def job(worker, game):
+        policy = Killer(worker) if game.id == victim else TeacherPolicy()
+        return run_episode(worker, game, policy, EpisodeConfig(), None, 0).to_json()
+
+    out = JsonlWriter(tmp_path / "e.jsonl")
+    with EnvPool(2) as pool:
+        recs = pool.map(job, games, on_result=lambda g, r: out.write(r))
+        assert pool.restarts == 1
+    assert len(recs) == 6 and len((tmp_path / "e.jsonl").read_text().splitlines()) == 6
+    errored = [r for r in recs if r["error"]]
+    assert [r["game_id"] for r in errored] == [victim] and "died (exit code -9)" in errored[0]["error"]
+    assert all(r["outcome"]["won"] for r in recs if not r["error"])
+
+
+def test_unknown_policy_and_bad_policy_options():
+    with pytest.raises(EvoError, match="unknown policy 'gpt5'"):
+        parse_policy("gpt5")
+    with pytest.raises(EvoError, match="noise"):
+        parse_policy("teacher:noise=lots")
+    with pytest.raises(PolicyError, match="not a Hugging Face checkpoint"):
+        make_policy(parse_policy("hf:path=/nonexistent")).act("p", None, None)
+
+
+def test_bad_params_name_the_field(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("games:\n  per_family: {train: two}\n")
+    with pytest.raises(EvoError, match=r"params.yaml: games.per_family.train: .*integer.*'two'"):
+        load_params(p)
+    p.write_text("episode:\n  harness: {mode: sometimes}\n")
+    with pytest.raises(EvoError, match=r"episode.harness.mode"):
+        load_params(p)
+    p.write_text("gmaes: {}\n")
+    with pytest.raises(EvoError, match=r"unknown top-level key\(s\) \['gmaes'\]"):
+        load_params(p)
+    p.write_text("games: [1, 2\n")
+    with pytest.raises(EvoError, match=r"line \d+: not valid YAML"):
+        load_params(p)
+    with pytest.raises(EvoError, match="does not exist"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_cli_errors_are_one_line(games_root, tmp_path):
+    r = subprocess.run(CLI + ["evaluate", "--games", str(games_root), "--policy", "gpt5"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown policy 'gpt5' (known: teacher, random, chat, hf)"
+    r = subprocess.run(CLI + ["evaluate", "--games", str(tmp_path / "missing"), "--split", "valid_seen"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "missing/valid_seen does not exist" in r.stderr
+    r = subprocess.run(CLI + ["evaluate", "--games", str(games_root), "--mode", "sometimes"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "--mode: unknown mode 'sometimes'" in r.stderr
+
+
+class _Chat(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Chat.seen.append((self.headers.get("Authorization"), body))
+        prompt = body["messages"][0]["content"]
+        first = prompt.split("ADMISSIBLE COMMANDS: ", 1)[1].split(" | ")[0]
+        out = {"choices": [{"message": {"role": "assistant", "content": f"<think>first</think>\n<action>{first}</action>"}}]}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_path, monkeypatch):
+    srv = HTTPServer(("127.0.0.1", 0), _Chat)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("EVO_TEST_KEY", "sk-secret-123")
+    url = f"http://127.0.0.1:{srv.server_port}/v1"
+    try:
+        spec = parse_policy(f"chat:base_url={url},model=m1,api_key_env=EVO_TEST_KEY,max_new_tokens=32")
+        games = list_games(games_root, "valid_seen")[:1]
+        r = evaluate(games, spec, EpisodeConfig(max_steps=3), [0], tmp_path / "ev", workers=1)
+        assert r["summary"]["all"]["episodes"] == 1 and r["summary"]["all"]["errored"] == 0
+        assert _Chat.seen[0][0] == "Bearer sk-secret-123" and _Chat.seen[0][1]["model"] == "m1"
+        written = (tmp_path / "ev" / "episodes.jsonl").read_text() + (tmp_path / "ev" / "results.json").read_text()
+        assert "sk-secret" not in written
+    finally:
+        srv.shutdown()
+    with pytest.raises(PolicyError, match=r"chat endpoint http://127.0.0.1:9/v1/chat/completions unreachable"):
+        make_policy(parse_policy("chat:base_url=http://127.0.0.1:9/v1,model=m")).act("hi", None, None)
+
+
+def test_evaluation_resumes_and_survives_a_truncated_line(games_root, tmp_path):
+    games = list_games(games_root, "valid_seen")
+    first = evaluate(games[:3], PolicySpec(kind="random"), EpisodeConfig(max_steps=5), [0], tmp_path, workers=2)
+    assert first["played"] == 3
+    with open(tmp_path / "episodes.jsonl", "a") as f:
+        f.write('{"fingerprint": "cut sho')  # a run killed mid-write
+    again = evaluate(games, PolicySpec(kind="random"), EpisodeConfig(max_steps=5), [0], tmp_path, workers=2)
+    assert again["reused"] == 3 and again["played"] == 3 and again["unparsed_lines"] == [4]
+    lines = (tmp_path / "episodes.jsonl").read_text().splitlines()
+    assert lines[3] == '{"fingerprint": "cut sho' and len(lines) == 7  # kept, never overwritten
