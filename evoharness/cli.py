@@ -39,6 +39,7 @@ def games(
     out: Path = typer.Option(Path("data/games"), help="output root (official layout under it)"),
     params: str = PARAMS,
     seed: Optional[int] = typer.Option(None, help="override params seed"),
+    metrics: Optional[Path] = typer.Option(None, help="also write kept/rejected counts here (DVC metrics)"),
 ):
     """Generate ALFWorld games for all six families (train, valid_seen, valid_unseen)."""
     from evoharness.alfworld.generate import GenConfig, generate
@@ -67,6 +68,8 @@ def games(
 
     summary = generate(out, cfg, progress)
     bar.close()
+    if metrics:
+        _write_json(metrics, {split: {f: {"kept": v["kept"], "rejected": v["rejected"]} for f, v in fams.items()} for split, fams in summary["splits"].items()})
     for split, fams in summary["splits"].items():
         typer.echo(f"{split:<13} " + "  ".join(f"{f}:{v['kept']}" for f, v in fams.items()))
 
@@ -121,6 +124,7 @@ def collect(
     out: Path = typer.Option(Path("data/demos")),
     n: Optional[int] = typer.Option(None, help="number of demos (params demos.n)"),
     noise: Optional[float] = typer.Option(None, help="teacher noise (params demos.noise)"),
+    metrics: Optional[Path] = typer.Option(None, help="also write success and calls per family here (DVC metrics)"),
     params: str = PARAMS,
 ):
     """Collect teacher demos on the training games (bank consolidated between batches)."""
@@ -136,6 +140,9 @@ def collect(
     bar = _bar(nd, "demos")
     s = run_collect(list_games(games_root, "train"), spec, p.episode, nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
     bar.close()
+    if metrics:
+        _write_json(metrics, {"demos": s["demos"], "won": s["won"], "errored": s["errored"], "bank_entries": s["bank_entries"],
+                              "by_family": {f: {"success": v["success"], "steps": v["steps"], "calls": v["calls"]} for f, v in s["by_family"].items()}})
     typer.echo(f"demos: {s['demos']}  won: {s['won']}  errored: {s['errored']}  bank: {s['bank_entries']} entries after {s['bank_updates']} updates")
 
 
@@ -176,11 +183,119 @@ def evaluate(
 
 
 @app.command()
-def run(params: str = PARAMS, data: Path = typer.Option(Path("data"), help="data root")):
-    """The main job: generate games, collect teacher demos, evaluate teacher and baselines."""
-    from evoharness.pipeline import foundation
+def pairs(
+    demos: Path = typer.Option(Path("data/demos/demos.jsonl")),
+    out: Path = typer.Option(Path("data/pairs")),
+    metrics: Optional[Path] = typer.Option(None),
+    plots: Optional[Path] = typer.Option(None, help="CSV of token lengths per row (DVC plots)"),
+    params: str = PARAMS,
+):
+    """Build SFT pairs (Parquet, train/val by episode) from teacher demos."""
+    from evoharness.config import load_params
+    from evoharness.data.pairs import build_pairs
 
-    foundation(params, data, echo=typer.echo)
+    p = load_params(params)
+    s = build_pairs(demos, out, p.pairs.val_fraction, p.pairs.few_shot)
+    if metrics:
+        _write_json(metrics, {k: s[k] for k in ("episodes", "kept", "dropped", "rows", "verb_share", "tokens")})
+    if plots:
+        import pandas as pd
+
+        frames = [pd.read_parquet(out / f"{sp}.parquet", columns=["split", "family", "kind", "prompt_tokens", "response_tokens"]) for sp in ("train", "val")]
+        Path(plots).parent.mkdir(parents=True, exist_ok=True)
+        pd.concat(frames).to_csv(plots, index=False)
+    typer.echo(f"pairs: {s['rows']['train']} train / {s['rows']['val']} val rows from {s['kept']} of {s['episodes']} episodes (dropped: {s['dropped'] or 'none'})")
+
+
+@app.command()
+def validate(
+    demos: Optional[Path] = typer.Option(Path("data/demos/demos.jsonl"), help="trajectories JSONL to validate"),
+    pairs_dir: Optional[Path] = typer.Option(Path("data/pairs"), "--pairs", help="SFT pairs folder to validate"),
+    report: Path = typer.Option(Path("data/validation"), help="report folder (JSON + GX data docs)"),
+    quarantine: Path = typer.Option(Path("data/quarantine"), help="where failing files are moved"),
+    metrics: Optional[Path] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """The Great Expectations gate on trajectories and SFT pairs; failing files are quarantined."""
+    from evoharness.config import load_params
+    from evoharness.data.validation import gate
+
+    p = load_params(params)
+    res = gate(demos, pairs_dir, p.validate_.max_tokens, report, quarantine, metrics)
+    for name, r in res.items():
+        typer.echo(f"{name}: {r['rows']} rows, {r['expectations']} expectations, all passed")
+
+
+@app.command()
+def baselines(
+    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    bank: Path = typer.Option(Path("data/demos/experience.json")),
+    out: Path = typer.Option(Path("data/baselines")),
+    metrics: Optional[Path] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """Evaluate the teacher and the baselines on valid_seen and valid_unseen."""
+    from evoharness.pipeline import baselines as run_baselines
+
+    res = run_baselines(params, games_root, bank, out, echo=typer.echo)
+    if metrics:
+        _write_json(metrics, {label: {f: {"success": v["success"], "steps": v["steps"]} for f, v in s.items()} for label, s in res.items()})
+
+
+@app.command()
+def lineage(target: str = typer.Argument(..., help="an output path (data/pairs) or its DVC md5 hash")):
+    """Which stage, params and inputs produced an artifact."""
+    from evoharness.lineage import lineage as run_lineage
+
+    run_lineage(target, Path.cwd(), echo=typer.echo)
+
+
+@app.command()
+def reproduce(
+    ref: str = typer.Argument(..., help="a DVC output hash, a git commit, or an MLflow run id"),
+    keep: bool = typer.Option(False, help="keep the scratch worktree"),
+):
+    """Re-make a past run from its hashes and say, stage by stage, whether every output matches."""
+    from evoharness.lineage import reproduce as run_reproduce
+
+    rows = run_reproduce(ref, Path.cwd(), echo=typer.echo, keep=keep)
+    bad = [r for r in rows if not r["match"]]
+    if bad:
+        raise EvoError(f"{len(bad)} of {len(rows)} outputs differ: " + ", ".join(f"{r['stage']}:{r['path']}" for r in bad))
+    typer.echo(f"all {len(rows)} outputs reproduced with identical hashes")
+
+
+@app.command()
+def unlock():
+    """Clear DVC lock entries left by processes that died (live ones are kept)."""
+    from evoharness.lineage import repo_root
+    from evoharness.lineage import unlock as run_unlock
+
+    pids = run_unlock(repo_root())
+    typer.echo(f"cleared lock entries of dead processes: {pids or 'none'}")
+
+
+@app.command()
+def remote(url: Optional[str] = typer.Option(None, help="set the default remote's URL (local path, s3://, gs://, ssh://)")):
+    """Show or set the default DVC remote (a local folder unless configured)."""
+    from evoharness.lineage import dvc, ensure_remote, repo_root
+
+    root = repo_root()
+    name = ensure_remote(root, url)
+    typer.echo(f"default remote: {name} -> {dvc(['remote', 'list'], root).strip()}")
+
+
+def _write_json(path: Path, data) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@app.command()
+def run(params: str = PARAMS):
+    """The main job: the DVC pipeline (games, demos, pairs, validation gate, baselines), pushed to the remote."""
+    from evoharness.pipeline import main_job
+
+    main_job(Path.cwd(), echo=typer.echo)
 
 
 def main() -> None:

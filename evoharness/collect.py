@@ -45,7 +45,9 @@ def collect(
     records: list[dict] = []
     with EnvPool(workers) as pool:
         for b in range(0, len(jobs), batch_size):
-            batch = run_batch(pool, jobs[b : b + batch_size], spec, cfg, bank, writer, progress)
+            batch = run_batch(pool, jobs[b : b + batch_size], spec, cfg, bank, None, progress)
+            for rec in batch:  # job order, not completion order: the file hashes the same on a rerun
+                writer.write(rec)
             records += batch
             for e in consolidate(bank, batch, endpoint):
                 edits.write({"update": bank.updates, **e})

@@ -49,18 +49,31 @@ class DemosParams(_Strict):
     batch_size: int = Field(16, ge=1)
 
 
+class PairsParams(_Strict):
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    few_shot: int = Field(0, ge=0, description="exemplars per family added to every prompt (0: none)")
+
+
+class ValidateParams(_Strict):
+    max_tokens: int = Field(1024, ge=16, description="prompt + response length limit (the profile's max length)")
+
+
 class EvalParams(_Strict):
     seeds: list[int] = Field(default_factory=lambda: [0])
     baselines: list[str] = Field(default_factory=lambda: ["teacher", "random"])
 
 
 class Params(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
     seed: int = 0
     profile: str = "tiny-cpu"
     workers: int = Field(2, ge=1)
     games: GamesParams = GamesParams()
     episode: EpisodeConfig = EpisodeConfig()
     demos: DemosParams = DemosParams()
+    pairs: PairsParams = PairsParams()
+    validate_: ValidateParams = Field(ValidateParams(), alias="validate")
     eval: EvalParams = EvalParams()
 
 
@@ -89,7 +102,7 @@ def load_params(path: str | Path | None = "params.yaml") -> Params:
         raise EvoError(f"{p}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(raw, dict):
         raise EvoError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
-    known = set(Params.model_fields)
+    known = {f.alias or name for name, f in Params.model_fields.items()}
     unknown = [k for k in raw if k not in known and k not in _FOREIGN_OK]
     if unknown:
         raise EvoError(f"{p}: unknown top-level key(s) {unknown} (known: {sorted(known | _FOREIGN_OK)})")
@@ -102,4 +115,4 @@ def load_params(path: str | Path | None = "params.yaml") -> Params:
 
 
 # Sections read by other parts of the pipeline (training profiles, tracking, promotion).
-_FOREIGN_OK = {"profiles", "sft", "grpo", "promotion", "tracking", "pairs", "validate", "remote"}
+_FOREIGN_OK = {"profiles", "sft", "grpo", "promotion", "tracking", "remote"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -58,6 +57,7 @@ class TurnView:
     admissible: tuple[str, ...]
     last_actions: tuple[str, ...]
     panels: tuple[tuple[str, str], ...] = ()
+    examples: str = ""  # few-shot exemplars for this family (see evoharness.data.pairs)
 
 
 def system_text(verbs: tuple[str, ...]) -> str:
@@ -75,8 +75,10 @@ def system_text(verbs: tuple[str, ...]) -> str:
 
 def build_prompt(view: TurnView) -> str:
     """THE prompt. Same function for SFT pairs, evaluation and RL."""
-    parts = [
-        system_text(view.verbs),
+    parts = [system_text(view.verbs)]
+    if view.examples:
+        parts.append(f"EXAMPLES:\n{view.examples}")
+    parts += [
         f"OBJECTIVE: {view.objective}",
         f"OBSERVATION: {view.observation}",
         "ADMISSIBLE COMMANDS: " + " | ".join(view.admissible),
@@ -84,6 +86,15 @@ def build_prompt(view: TurnView) -> str:
     ]
     parts += [f"{name}: {text}" for name, text in view.panels]
     return "\n".join(parts) + "\n"
+
+
+def add_examples(prompt: str, examples: str) -> str:
+    """The prompt ``build_prompt`` would have made with ``examples`` (used to build few-shot SFT
+    pairs from stored demos); ``tests/test_pairs.py`` checks the two agree byte for byte."""
+    if not examples:
+        return prompt
+    head, sep, rest = prompt.partition("\nOBJECTIVE: ")
+    return f"{head}\nEXAMPLES:\n{examples}{sep}{rest}"
 
 
 @dataclass(frozen=True)
@@ -154,7 +165,6 @@ class Trajectory:
     recalled: list[str] = field(default_factory=list)
     found_in: str | None = None
     error: str | None = None
-    seconds: float = 0.0
     bank_updates: int = 0
 
     def to_json(self) -> dict:
@@ -206,8 +216,9 @@ def bank_digest(bank: Experience | None) -> str:
     return hashlib.sha256(json.dumps(bank.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def fingerprint(game: Game, seed: int, policy: Policy, cfg: EpisodeConfig, bank: Experience | None) -> str:
+def fingerprint(game: Game, seed: int, policy: Policy, cfg: EpisodeConfig, bank: Experience | None, examples: str = "") -> str:
     key = {
+        "examples": hashlib.sha256(examples.encode()).hexdigest()[:12] if examples else "",
         "game": game.id,
         "seed": seed,
         "policy": policy.fingerprint(),
@@ -218,9 +229,9 @@ def fingerprint(game: Game, seed: int, policy: Policy, cfg: EpisodeConfig, bank:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, bank: Experience | None, seed: int) -> Trajectory:
+def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, bank: Experience | None, seed: int, examples: str = "") -> Trajectory:
     """Play one episode. Engine and worker failures make an errored trajectory, never an exception."""
-    fp = fingerprint(game, seed, policy, cfg, bank)
+    fp = fingerprint(game, seed, policy, cfg, bank, examples)
     traj = Trajectory(
         episode_id=f"{game.id}#s{seed}",
         fingerprint=fp,
@@ -233,7 +244,6 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
         max_steps=cfg.max_steps,
         bank_updates=bank.updates if bank is not None else 0,
     )
-    start = time.time()
     calls = {v: 0 for v in META_VERBS}
     invalid = repeats = steps = 0
     won = False
@@ -258,6 +268,7 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
                 admissible=admissible,
                 last_actions=tuple(history[-HISTORY:]),
                 panels=tuple(ws.views().items()),
+                examples=examples,
             )
             prompt = build_prompt(view)
             response = policy.act(prompt, view, Privileged(expert, traj.target, game.family, ws))
@@ -307,5 +318,4 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
         "repeats": repeats,
     }
     traj.reward = {**comp, "update": cfg.update, "total": total(comp, cfg.update, cfg.reward)}
-    traj.seconds = round(time.time() - start, 3)
     return traj

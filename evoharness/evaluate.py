@@ -55,6 +55,32 @@ def format_table(title: str, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _canonical_rewrite(path: Path, records: list[dict], wanted: dict) -> None:
+    """Rewrite the episodes file in (game, seed) order so its hash is the same on a rerun. Records of
+    other runs and lines that did not parse are kept after them, byte for byte."""
+    import json as _json
+
+    keep_other = []
+    if path.exists():
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    fp = _json.loads(line).get("fingerprint")
+                except (ValueError, AttributeError):
+                    fp = None
+                if fp not in wanted:
+                    keep_other.append(line.rstrip("\n"))
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(_json.dumps(r, ensure_ascii=False) + "\n")
+        for line in keep_other:
+            f.write(line + "\n")
+    tmp.replace(path)
+
+
 def evaluate(
     games: list[Game],
     spec: PolicySpec,
@@ -83,6 +109,7 @@ def evaluate(
             pool.close()
     records = list(have.values()) + new
     records.sort(key=lambda r: (r["game_id"], r["seed"]))
+    _canonical_rewrite(episodes, records, wanted)
     result = {
         "policy": policy.name,
         "policy_fingerprint": policy.fingerprint(),

@@ -1,0 +1,108 @@
+"""SFT pairs: one row per turn of a successful, well-formed teacher episode.
+
+Rows are ``{prompt, response}`` plus where they came from; the prompt is the one the episode
+engine built (``build_prompt``), optionally with few-shot exemplars added exactly as the prompt
+builder would add them. Train/val are split by episode (no episode in both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+from evoharness.alfworld.families import FAMILIES
+from evoharness.data import tokens
+from evoharness.episode import add_examples, parse_response
+from evoharness.errors import EvoError
+from evoharness.rollout import read_jsonl
+
+COLUMNS = ["episode_id", "game_id", "family", "turn", "kind", "prompt", "response", "prompt_tokens", "response_tokens", "split"]
+
+
+def drop_reason(rec: dict) -> str | None:
+    """Why an episode is not used for SFT, or None if it is kept."""
+    if rec.get("error"):
+        return "errored"
+    if not rec.get("outcome", {}).get("won"):
+        return "failed"
+    turns = rec.get("turns") or []
+    if not turns:
+        return "no turns"
+    for t in turns:
+        if not t.get("valid") or parse_response(t.get("response", "")).error:
+            return "malformed turn"
+    return None
+
+
+def is_val(episode_id: str, val_fraction: float) -> bool:
+    h = int(hashlib.sha256(episode_id.encode()).hexdigest()[:8], 16)
+    return (h % 10_000) < val_fraction * 10_000
+
+
+def exemplars(records: list[dict], k: int) -> dict[str, str]:
+    """Per family, the action sequences of its first k kept episodes (by episode id)."""
+    out: dict[str, list[str]] = {}
+    for rec in sorted(records, key=lambda r: r["episode_id"]):
+        fam = rec["family"]
+        if drop_reason(rec) is None and len(out.setdefault(fam, [])) < k:
+            acts = "; ".join(t["action"] for t in rec["turns"])
+            out[fam].append(f"{rec['task']} -> {acts}")
+    return {fam: "\n".join(v) for fam, v in out.items()}
+
+
+def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_shot: int = 0) -> dict:
+    import pandas as pd
+
+    demos_path, out_dir = Path(demos_path), Path(out_dir)
+    if not demos_path.exists():
+        raise EvoError(f"demos file {demos_path} does not exist")
+    records, bad = read_jsonl(demos_path)
+    if bad:
+        raise EvoError(f"{demos_path}: {len(bad)} line(s) are not JSON (first: line {bad[0]}); run `evoharness validate` for the report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ex = exemplars(records, few_shot) if few_shot > 0 else {}
+    dropped: Counter = Counter()
+    rows = []
+    kept_eps = {"train": 0, "val": 0}
+    for rec in records:
+        try:
+            reason = drop_reason(rec)
+        except (AttributeError, TypeError):
+            reason = "malformed record"
+        if reason:
+            dropped[reason] += 1
+            continue
+        split = "val" if is_val(rec["episode_id"], val_fraction) else "train"
+        kept_eps[split] += 1
+        for t in rec["turns"]:
+            prompt = add_examples(t["prompt"], ex.get(rec["family"], ""))
+            rows.append({
+                "episode_id": rec["episode_id"], "game_id": rec["game_id"], "family": rec["family"], "turn": int(t["t"]),
+                "kind": t["kind"], "prompt": prompt, "response": t["response"],
+                "prompt_tokens": tokens.count(prompt), "response_tokens": tokens.count(t["response"]), "split": split,
+            })
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for split in ("train", "val"):
+        df[df["split"] == split].reset_index(drop=True).to_parquet(out_dir / f"{split}.parquet", index=False)
+    (out_dir / "exemplars.json").write_text(json.dumps(ex, indent=2, sort_keys=True))
+    kinds = Counter(df["kind"]) if len(df) else Counter()
+    summary = {
+        "episodes": len(records),
+        "kept": sum(kept_eps.values()),
+        "kept_by_split": kept_eps,
+        "dropped": dict(sorted(dropped.items())),
+        "rows": {"train": int((df["split"] == "train").sum()), "val": int((df["split"] == "val").sum())},
+        "verb_share": {k: round(v / max(len(df), 1), 4) for k, v in sorted(kinds.items())},
+        "by_family": {FAMILIES.get(f, f): int(n) for f, n in sorted(Counter(df["family"]).items())},
+        "tokens": {
+            "prompt_mean": round(float(df["prompt_tokens"].mean()), 1) if len(df) else 0.0,
+            "prompt_max": int(df["prompt_tokens"].max()) if len(df) else 0,
+            "response_mean": round(float(df["response_tokens"].mean()), 1) if len(df) else 0.0,
+            "response_max": int(df["response_tokens"].max()) if len(df) else 0,
+        },
+        "few_shot": few_shot,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

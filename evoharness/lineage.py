@@ -1,0 +1,299 @@
+"""DVC owns lineage: run DVC for the project, say which stage/params/inputs made an artifact, and
+reproduce a past run from its hashes in a scratch worktree.
+
+DVC is run as ``python -m dvc`` with the virtualenv's ``bin`` first on PATH, so stage commands
+(``python -m evoharness.cli ...``) use this environment and, run from a worktree's root, import
+that worktree's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from evoharness.errors import EvoError
+
+DEFAULT_REMOTE = Path.home() / ".cache" / "evoharness" / "dvc-remote"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("GX_ANALYTICS_ENABLED", "false")
+    env["DVC_NO_ANALYTICS"] = "1"
+    return env
+
+
+def _last_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("ERROR:") or ln.startswith("error:"):
+            return ln.split(":", 1)[1].strip()
+    return lines[-1] if lines else "no output"
+
+
+def git(args: list[str], cwd: Path, check: bool = True) -> str:
+    r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise EvoError(f"git {' '.join(args)} in {cwd}: {_last_error(r.stderr or r.stdout)}")
+    return r.stdout.strip()
+
+
+def dvc(args: list[str], cwd: Path, stream: bool = False) -> str:
+    """Run a DVC command; a failure is one line naming the command, the folder and DVC's reason."""
+    check_lock(cwd)
+    cmd = [sys.executable, "-m", "dvc", *args]
+    if stream:
+        r = subprocess.run(cmd, cwd=cwd, env=_env(), stderr=subprocess.PIPE, text=True)
+        out = ""
+    else:
+        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+        out = r.stdout
+    if r.returncode != 0:
+        err = r.stderr or ""
+        if stream and err:
+            sys.stderr.write(err)
+        raise EvoError(f"dvc {' '.join(args)} failed in {cwd}: {_last_error(err or out)}")
+    return out
+
+
+def repo_root(start: Path | None = None) -> Path:
+    start = Path(start or Path.cwd())
+    root = Path(git(["rev-parse", "--show-toplevel"], start))
+    if not (root / ".dvc").is_dir():
+        raise EvoError(f"{root} is not a DVC repository (no .dvc folder); run `dvc init` there")
+    return root
+
+
+def check_lock(root: Path) -> None:
+    """A DVC lock left by a killed process: say so, naming the file and the dead process."""
+    rw = Path(root) / ".dvc" / "tmp" / "rwlock"
+    if not rw.exists():
+        return
+    try:
+        data = json.loads(rw.read_text() or "{}")
+    except ValueError:
+        raise EvoError(f"DVC lock {rw} is corrupt; no DVC command can run until it is removed (`evoharness unlock`)") from None
+    holders = []
+    for mode in ("read", "write"):
+        for path, info in (data.get(mode) or {}).items():
+            infos = info if isinstance(info, list) else [info]
+            for i in infos:
+                holders.append((int(i.get("pid", 0)), i.get("cmd", "?"), path))
+    dead = [(pid, cmd, path) for pid, cmd, path in holders if pid and not _alive(pid)]
+    if dead:
+        pid, cmd, path = dead[0]
+        raise EvoError(f"stale DVC lock {rw}: process {pid} ({cmd!r}) died holding {path}; run `evoharness unlock` to clear it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def unlock(root: Path) -> list[int]:
+    """Drop lock entries whose process is dead; live ones are kept."""
+    rw = Path(root) / ".dvc" / "tmp" / "rwlock"
+    if not rw.exists():
+        return []
+    try:
+        data = json.loads(rw.read_text() or "{}")
+    except ValueError:
+        backup = rw.with_name(f"rwlock.corrupt.{os.getpid()}")
+        rw.replace(backup)  # kept, not deleted
+        return []
+    removed = []
+    for mode in ("read", "write"):
+        entries = data.get(mode) or {}
+        for path in list(entries):
+            info = entries[path]
+            infos = info if isinstance(info, list) else [info]
+            live = [i for i in infos if _alive(int(i.get("pid", 0)))]
+            removed += [int(i.get("pid", 0)) for i in infos if i not in live]
+            if not live:
+                del entries[path]
+            else:
+                entries[path] = live if isinstance(info, list) else live[0]
+    rw.write_text(json.dumps(data))
+    return removed
+
+
+def ensure_remote(root: Path, url: str | None = None) -> str:
+    """A default remote: the configured one, else a local folder (set in .dvc/config.local)."""
+    r = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=root, env=_env(), capture_output=True, text=True)
+    current = r.stdout.strip() if r.returncode == 0 else ""
+    if current and url is None:
+        return current
+    target = url or os.environ.get("EVOHARNESS_DVC_REMOTE") or str(DEFAULT_REMOTE)
+    if "://" not in target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+    remotes = dvc(["remote", "list"], root)
+    verb = "modify" if any(line.split()[0] == "local" for line in remotes.splitlines() if line.strip()) else "add"
+    if verb == "add":
+        dvc(["remote", "add", "--local", "-d", "local", target], root)
+    else:
+        dvc(["remote", "modify", "--local", "local", "url", target], root)
+        dvc(["remote", "default", "--local", "local"], root)
+    return "local"
+
+
+# ---- dvc.lock -----------------------------------------------------------------------------------
+
+@dataclass
+class Out:
+    stage: str
+    path: str
+    md5: str
+    kind: str  # "out" or "dep"
+
+
+def parse_lock(text: str) -> dict:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise EvoError(f"dvc.lock is not valid YAML ({e})") from None
+    return data.get("stages", {})
+
+
+def lock_outs(stages: dict) -> list[Out]:
+    res = []
+    for name, st in stages.items():
+        for kind in ("outs", "deps"):
+            for o in st.get(kind, []) or []:
+                res.append(Out(name, o["path"], str(o.get("md5", "")), kind[:-1]))
+    return res
+
+
+def find_commit(ref: str, root: Path) -> tuple[str, str]:
+    """(commit, how it was found) for a git commit, a DVC hash in some dvc.lock, or an MLflow run id."""
+    # A hex string could be either a DVC hash or a commit: a dvc.lock match wins.
+    r = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=root, capture_output=True, text=True)
+    h = ref.lower().removesuffix(".dir")
+    if len(h) >= 6:
+        for commit in git(["log", "--format=%H", "--", "dvc.lock"], root).split():
+            text = subprocess.run(["git", "show", f"{commit}:dvc.lock"], cwd=root, capture_output=True, text=True).stdout
+            for o in lock_outs(parse_lock(text)):
+                if o.kind == "out" and o.md5.removesuffix(".dir").startswith(h):
+                    return commit, f"{o.path} (stage {o.stage}) has md5 {o.md5}"
+    if r.returncode == 0:
+        return r.stdout.strip(), "git commit"
+    run_commit = _mlflow_commit(ref)
+    if run_commit:
+        return run_commit, f"MLflow run {ref}"
+    raise EvoError(f"{ref!r} is neither a git commit, nor an output hash in any committed dvc.lock, nor a known MLflow run id")
+
+
+def _mlflow_commit(run_id: str) -> str | None:
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not Path("mlruns.db").exists():
+        return None
+    try:
+        import mlflow
+
+        run = mlflow.get_run(run_id)
+        return run.data.tags.get("git_commit") or run.data.tags.get("mlflow.source.git.commit")
+    except Exception:
+        return None
+
+
+def reproduce(ref: str, root: Path, echo=print, keep: bool = False) -> list[dict]:
+    """Restore the commit behind ref in a scratch worktree, pull its data, re-run every stage,
+    and report per stage and output whether the hash matches the recorded one."""
+    root = repo_root(root)
+    commit, how = find_commit(ref, root)
+    echo(f"reproducing commit {commit[:12]} ({how})")
+    work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
+    git(["worktree", "add", "--detach", str(work), commit], root)
+    try:
+        for name in ("config.local",):
+            src = root / ".dvc" / name
+            if src.exists():
+                shutil.copy(src, work / ".dvc" / name)
+        lock = work / "dvc.lock"
+        if not lock.exists():
+            raise EvoError(f"commit {commit[:12]} has no dvc.lock to reproduce")
+        expected = parse_lock(lock.read_text())
+        try:
+            dvc(["pull"], work)
+            echo("pulled the recorded data from the remote")
+        except EvoError as e:
+            echo(f"warning: {e}")
+        dvc(["repro", "--force"], work, stream=False)
+        got = parse_lock(lock.read_text())
+        rows = []
+        for stage, st in expected.items():
+            new_outs = {o["path"]: o.get("md5") for o in (got.get(stage, {}).get("outs") or [])}
+            for o in st.get("outs") or []:
+                rows.append({"stage": stage, "path": o["path"], "expected": o.get("md5"), "got": new_outs.get(o["path"]),
+                             "match": o.get("md5") == new_outs.get(o["path"])})
+        w = max(len(r["path"]) for r in rows) if rows else 10
+        echo(f"{'stage':<10} {'output':<{w}} {'recorded':<36} {'reproduced':<36} match")
+        for r in rows:
+            echo(f"{r['stage']:<10} {r['path']:<{w}} {str(r['expected']):<36} {str(r['got']):<36} {'yes' if r['match'] else 'NO'}")
+        return rows
+    finally:
+        if not keep:
+            git(["worktree", "remove", "--force", str(work)], root, check=False)
+            shutil.rmtree(work.parent, ignore_errors=True)
+
+
+def lineage(target: str, root: Path, echo=print) -> dict:
+    """Which stage, params and inputs produced an artifact (a path or an md5 hash), recursively."""
+    root = repo_root(root)
+    lock_path = root / "dvc.lock"
+    if not lock_path.exists():
+        raise EvoError(f"{lock_path} does not exist: run the pipeline first")
+    stages = parse_lock(lock_path.read_text())
+    commit = None
+    t = target.rstrip("/")
+    rel = os.path.relpath(Path(t).resolve(), root) if Path(t).exists() else t
+    hit = None
+    for o in lock_outs(stages):
+        if o.kind != "out":
+            continue
+        if rel == o.path or rel.startswith(o.path.rstrip("/") + "/") or (len(t) >= 6 and o.md5.removesuffix(".dir").startswith(t.removesuffix(".dir"))):
+            hit = o
+            break
+    if hit is None and len(t) >= 6:
+        commit, _ = find_commit(t, root)
+        text = git(["show", f"{commit}:dvc.lock"], root)
+        stages = parse_lock(text)
+        hit = next((o for o in lock_outs(stages) if o.kind == "out" and o.md5.removesuffix(".dir").startswith(t.removesuffix(".dir"))), None)
+    if hit is None:
+        raise EvoError(f"{target!r} is not an output of any stage in {lock_path} (nor a hash in its history)")
+    producers = {o.path: o.stage for o in lock_outs(stages) if o.kind == "out"}
+    chain, seen, todo = [], set(), [hit.stage]
+    while todo:
+        s = todo.pop(0)
+        if s in seen:
+            continue
+        seen.add(s)
+        st = stages[s]
+        deps = [{"path": d["path"], "md5": d.get("md5"), "from_stage": producers.get(d["path"])} for d in st.get("deps") or []]
+        chain.append({"stage": s, "cmd": st.get("cmd"), "params": st.get("params", {}), "deps": deps,
+                      "outs": [{"path": o["path"], "md5": o.get("md5")} for o in st.get("outs") or []]})
+        todo += [d["from_stage"] for d in deps if d["from_stage"]]
+    echo(f"{target} <- stage {hit.stage} (md5 {hit.md5})" + (f" at commit {commit[:12]}" if commit else ""))
+    for c in chain:
+        echo(f"  stage {c['stage']}: {c['cmd']}")
+        for pfile, vals in (c["params"] or {}).items():
+            for k, v in vals.items():
+                echo(f"    param {k} = {json.dumps(v)}  ({pfile})")
+        for d in c["deps"]:
+            src = f"  <- stage {d['from_stage']}" if d["from_stage"] else ""
+            echo(f"    dep   {d['path']}  {d['md5']}{src}")
+        for o in c["outs"]:
+            echo(f"    out   {o['path']}  {o['md5']}")
+    return {"target": target, "stage": hit.stage, "chain": chain, "commit": commit}
