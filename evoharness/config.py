@@ -45,7 +45,7 @@ class GamesParams(_Strict):
 
 class DemosParams(_Strict):
     n: int = Field(96, ge=1)
-    noise: float = Field(0.15, ge=0.0, le=1.0)
+    noise: float = Field(0.3, ge=0.0, le=1.0)
     batch_size: int = Field(16, ge=1)
 
 

@@ -33,10 +33,19 @@ def _env() -> dict:
 
 
 def _last_error(text: str) -> str:
+    """The most specific reason in a failed command's output: a stage's own ``error: ...`` line
+    (our CLI's), else DVC's last ``ERROR: ...`` line, else the last line."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("ERROR:") or ln.startswith("error:"):
-            return ln.split(":", 1)[1].strip()
+    if any("no default remote set" in ln for ln in lines):
+        return "no DVC remote is configured (no default remote set); set one with `evoharness remote --url PATH_OR_URL`"
+    for prefix in ("error:", "ERROR:", "fatal:"):
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith(prefix):
+                msg = lines[i].split(":", 1)[1].strip()
+                if msg.endswith(":"):  # DVC continues a message on the next lines (targets, reasons)
+                    more = [ln for ln in lines[i + 1 : i + 5] if not ln.startswith("<")]
+                    msg = f"{msg} {', '.join(more)}"
+                return msg
     return lines[-1] if lines else "no output"
 
 
@@ -47,9 +56,41 @@ def git(args: list[str], cwd: Path, check: bool = True) -> str:
     return r.stdout.strip()
 
 
+def default_remote(root: Path) -> tuple[str, str] | None:
+    """(name, url) of the default remote, or None."""
+    r = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=root, env=_env(), capture_output=True, text=True)
+    name = r.stdout.strip() if r.returncode == 0 else ""
+    if not name:
+        return None
+    u = subprocess.run([sys.executable, "-m", "dvc", "config", f"remote.{name}.url"], cwd=root, env=_env(), capture_output=True, text=True)
+    return name, u.stdout.strip()
+
+
+def check_remote(root: Path) -> None:
+    """DVC reports an unreachable HTTP or missing local remote as 'everything is up to date';
+    check what can be checked without credentials and say so in one line."""
+    found = default_remote(root)
+    if found is None:
+        raise EvoError(f"no DVC remote is configured for {root} (no default remote set); set one with `evoharness remote --url PATH_OR_URL`")
+    name, url = found
+    if "://" not in url:
+        path = Path(url) if Path(url).is_absolute() else (Path(root) / ".dvc" / url)
+        if not path.is_dir():
+            raise EvoError(f"DVC remote {name!r} ({url}) does not exist or is not a folder")
+    elif url.startswith(("http://", "https://")):
+        import httpx
+
+        try:
+            httpx.head(url, timeout=5.0)
+        except httpx.HTTPError as e:
+            raise EvoError(f"DVC remote {name!r} ({url}) is unreachable ({type(e).__name__})") from None
+
+
 def dvc(args: list[str], cwd: Path, stream: bool = False) -> str:
     """Run a DVC command; a failure is one line naming the command, the folder and DVC's reason."""
     check_lock(cwd)
+    if args and args[0] in ("push", "pull", "fetch") and not any(a in ("-r", "--remote") for a in args):
+        check_remote(cwd)
     cmd = [sys.executable, "-m", "dvc", *args]
     if stream:
         r = subprocess.run(cmd, cwd=cwd, env=_env(), stderr=subprocess.PIPE, text=True)
@@ -133,10 +174,9 @@ def unlock(root: Path) -> list[int]:
 
 def ensure_remote(root: Path, url: str | None = None) -> str:
     """A default remote: the configured one, else a local folder (set in .dvc/config.local)."""
-    r = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=root, env=_env(), capture_output=True, text=True)
-    current = r.stdout.strip() if r.returncode == 0 else ""
-    if current and url is None:
-        return current
+    found = default_remote(root)
+    if found and url is None:
+        return found[0]
     target = url or os.environ.get("EVOHARNESS_DVC_REMOTE") or str(DEFAULT_REMOTE)
     if "://" not in target:
         Path(target).mkdir(parents=True, exist_ok=True)
@@ -258,7 +298,13 @@ def lineage(target: str, root: Path, echo=print) -> dict:
     stages = parse_lock(lock_path.read_text())
     commit = None
     t = target.rstrip("/")
-    rel = os.path.relpath(Path(t).resolve(), root) if Path(t).exists() else t
+    cand, cwd = Path(t), Path.cwd().resolve()
+    if cand.is_absolute():
+        rel = os.path.relpath(cand, root)
+    elif cwd != root and cwd.is_relative_to(root) and (cwd / cand).exists():
+        rel = os.path.relpath(cwd / cand, root)  # a path given from a subfolder of the repo
+    else:
+        rel = t  # repo-relative
     hit = None
     for o in lock_outs(stages):
         if o.kind != "out":
@@ -266,7 +312,8 @@ def lineage(target: str, root: Path, echo=print) -> dict:
         if rel == o.path or rel.startswith(o.path.rstrip("/") + "/") or (len(t) >= 6 and o.md5.removesuffix(".dir").startswith(t.removesuffix(".dir"))):
             hit = o
             break
-    if hit is None and len(t) >= 6:
+    looks_like_hash = len(t) >= 6 and all(c in "0123456789abcdef" for c in t.lower().removesuffix(".dir"))
+    if hit is None and looks_like_hash:
         commit, _ = find_commit(t, root)
         text = git(["show", f"{commit}:dvc.lock"], root)
         stages = parse_lock(text)

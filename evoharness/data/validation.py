@@ -21,7 +21,7 @@ from evoharness.errors import EvoError
 from evoharness.harness.workspace import META_VERBS
 
 TURN_KINDS = ("env", *META_VERBS, "invalid")
-RESPONSE_RE = r"^\s*<think>(.|\n)*</think>\s*<action>[^<]+</action>\s*$"
+RESPONSE_RE = r"^\s*<think>(?:.|\n)*</think>\s*<action>[^<]+</action>\s*$"
 REWARD_PARTS = ("success", "efficiency", "diversity", "repeats", "invalid", "total")
 
 
@@ -130,9 +130,10 @@ def trajectory_suites(gx):
         E.ExpectColumnValuesToNotBeNull(column="prompt"),
         E.ExpectColumnValueLengthsToBeBetween(column="prompt", min_value=1),
         E.ExpectColumnValuesToNotBeNull(column="response"),
-        E.ExpectColumnValuesToMatchRegex(column="response", regex=RESPONSE_RE, row_condition='kind!="invalid"', condition_parser="pandas"),
     ]
-    return {"episodes": episodes, "turns": turns}
+    # Turns the engine accepted must be in the output format (invalid ones are the policy's errors).
+    replies = [E.ExpectColumnValuesToMatchRegex(column="response", regex=RESPONSE_RE)]
+    return {"episodes": episodes, "turns": turns, "replies": replies}
 
 
 def pairs_suites(gx, max_tokens: int):
@@ -241,6 +242,10 @@ def _offending_rows(df, cfg) -> list:
             mask = ~(df[cfg.kwargs["column_A"]] >= df[cfg.kwargs["column_B"]])
         elif cfg.type == "expect_column_values_to_be_null":
             mask = df[col].notna()
+        elif cfg.type == "expect_column_values_to_match_regex":
+            mask = df[col].notna() & ~df[col].astype(str).str.contains(cfg.kwargs["regex"], regex=True)
+        elif cfg.type == "expect_column_value_lengths_to_be_between":
+            mask = df[col].notna() & (df[col].astype(str).str.len() < (cfg.kwargs.get("min_value") or 0))
         else:
             return []
     except (KeyError, TypeError):
@@ -278,7 +283,8 @@ def validate_trajectories(path: Path, docs_root: Path | None = None) -> Report:
                               "unexpected_percent": 100.0, "examples": ["no parsable trajectory"], "where": []})
         report.evaluated += 1
         return report
-    return run_suites({"episodes": eps, "turns": turns}, trajectory_suites(_gx()), report, docs_root)
+    replies = turns[turns["kind"].notna() & (turns["kind"] != "invalid")].reset_index(drop=True)
+    return run_suites({"episodes": eps, "turns": turns, "replies": replies}, trajectory_suites(_gx()), report, docs_root)
 
 
 def load_pairs(pairs_dir: Path):

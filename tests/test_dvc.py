@@ -1,0 +1,162 @@
+"""DVC lineage on a real git + DVC repo in a temp folder, with a real local remote.
+
+The tests run in order on one repo: build, no-op, change one param, push and clone+pull,
+reproduce by hash, lineage, then the bad-input cases.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoharness.errors import EvoError
+from evoharness.lineage import dvc, ensure_remote, find_commit, git, lineage, parse_lock, reproduce, unlock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "seed": 3,
+    "profile": "tiny-cpu",
+    "workers": 2,
+    "games": {"per_family": {"train": 1, "valid_seen": 1, "valid_unseen": 1}, "max_per_type": 3, "distractors": 2},
+    "episode": {"max_steps": 40},
+    "demos": {"n": 6, "noise": 0.2, "batch_size": 6},
+    "pairs": {"val_fraction": 0.2, "few_shot": 0},
+    "validate": {"max_tokens": 1024},
+    "eval": {"seeds": [0], "baselines": ["teacher"]},
+}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dvcrepo")
+    repo = base / "repo"
+    repo.mkdir()
+    shutil.copytree(ROOT / "evoharness", repo / "evoharness", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("dvc.yaml", ".dvcignore", ".gitignore"):
+        shutil.copy(ROOT / f, repo / f)
+    (repo / "params.yaml").write_text(yaml.safe_dump(TINY, sort_keys=False))
+    git(["init", "-q", "-b", "main"], repo)
+    git(["config", "user.email", "t@example.com"], repo)
+    git(["config", "user.name", "t"], repo)
+    dvc(["init", "-q"], repo)
+    dvc(["config", "core.autostage", "true"], repo)
+    ensure_remote(repo, str(base / "remote"))
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "pipeline"], repo)
+    return repo
+
+
+def _ran(out: str) -> set[str]:
+    return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+
+
+def test_repro_builds_the_pipeline_and_a_second_repro_does_nothing(repo):
+    out = dvc(["repro"], repo)
+    assert _ran(out) == {"games", "demos", "pairs", "validate", "baselines"}
+    for p in ("data/games/valid_unseen", "data/demos/demos.jsonl", "data/pairs/train.parquet", "data/metrics/validation.json"):
+        assert (repo / p).exists(), p
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "run 1"], repo)
+    again = dvc(["repro"], repo)
+    assert _ran(again) == set() and "Data and pipelines are up to date" in again
+    dag = dvc(["dag", "--md"], repo)
+    assert "games" in dag and "validate" in dag
+    metrics = json.loads(dvc(["metrics", "show", "--json"], repo))
+    assert metrics
+
+
+def test_changing_one_param_reruns_only_its_dependents(repo):
+    p = yaml.safe_load((repo / "params.yaml").read_text())
+    p["pairs"]["val_fraction"] = 0.5
+    (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    diff = dvc(["params", "diff"], repo)
+    assert "pairs.val_fraction" in diff and "0.2" in diff and "0.5" in diff
+    out = dvc(["repro"], repo)
+    assert _ran(out) == {"pairs", "validate"}
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "val 0.5"], repo)
+
+
+def test_fresh_clone_plus_pull_restores_the_data(repo, tmp_path):
+    dvc(["push"], repo)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    remote = dvc(["remote", "list", "--local"], repo).split()[1]
+    ensure_remote(clone, remote)
+    assert not (clone / "data" / "pairs").exists()
+    dvc(["pull"], clone)
+    for p in ("data/pairs/train.parquet", "data/demos/demos.jsonl", "data/games/summary.json"):
+        assert (clone / p).read_bytes() == (repo / p).read_bytes(), p
+    status = dvc(["status"], clone)
+    assert "up to date" in status
+
+
+def test_reproduce_by_hash_reports_identical_hashes(repo):
+    stages = parse_lock((repo / "dvc.lock").read_text())
+    pairs_md5 = next(o["md5"] for o in stages["pairs"]["outs"] if o["path"] == "data/pairs")
+    commit, how = find_commit(pairs_md5[:10], repo)
+    assert commit == git(["rev-parse", "HEAD"], repo) and "data/pairs" in how
+    lines = []
+    rows = reproduce(pairs_md5[:10], repo, echo=lines.append)
+    assert {r["stage"] for r in rows} == {"games", "demos", "pairs", "validate", "baselines"}
+    assert {r["path"] for r in rows} >= {"data/games", "data/demos", "data/pairs", "data/baselines", "data/metrics/validation.json"}
+    assert all(r["match"] for r in rows), [r for r in rows if not r["match"]]
+    assert any("yes" in ln for ln in lines) and git(["worktree", "list"], repo).count("\n") == 0
+
+
+def test_lineage_names_stage_params_and_inputs(repo):
+    lines = []
+    info = lineage("data/pairs", repo, echo=lines.append)
+    assert info["stage"] == "pairs"
+    assert [c["stage"] for c in info["chain"]][:3] == ["pairs", "demos", "games"]
+    text = "\n".join(lines)
+    assert "param pairs = " in text and '"val_fraction": 0.5' in text
+    assert "dep   data/demos" in text and "<- stage demos" in text
+    md5 = next(o["md5"] for o in info["chain"][2]["outs"] if o["path"] == "data/games")
+    assert lineage(md5[:8], repo, echo=lambda s: None)["stage"] == "games"
+    with pytest.raises(EvoError, match="not an output of any stage"):
+        lineage("data/nothing", repo, echo=lambda s: None)
+
+
+def test_params_with_a_wrong_type_fail_the_stage_with_one_line(repo):
+    text = (repo / "params.yaml").read_text()
+    p = yaml.safe_load(text)
+    p["games"]["per_family"]["train"] = "lots"
+    (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    try:
+        with pytest.raises(EvoError) as e:
+            dvc(["repro"], repo)
+        assert "params.yaml: games.per_family.train: Input should be a valid integer" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        (repo / "params.yaml").write_text(text)
+
+
+def test_missing_and_unreachable_remote(repo, tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    with pytest.raises(EvoError, match=r"no DVC remote is configured for .*clone"):
+        dvc(["pull"], clone)
+    dvc(["remote", "add", "--local", "-d", "dead", "http://127.0.0.1:9/store"], clone)
+    with pytest.raises(EvoError, match=r"DVC remote 'dead' \(http://127.0.0.1:9/store\) is unreachable \(ConnectError\)"):
+        dvc(["pull"], clone)
+    dvc(["remote", "modify", "--local", "dead", "url", str(tmp_path / "gone")], clone)
+    with pytest.raises(EvoError, match=r"DVC remote 'dead' \(.*gone\) does not exist"):
+        dvc(["push"], clone)
+
+
+def test_stale_lock_is_named_and_cleared(repo):
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    lock = repo / ".dvc" / "tmp" / "rwlock"
+    lock.parent.mkdir(exist_ok=True)
+    lock.write_text(json.dumps({"read": {}, "write": {str(repo / "data" / "pairs"): {"pid": proc.pid, "cmd": "dvc repro"}}}))
+    with pytest.raises(EvoError, match=rf"stale DVC lock .*rwlock: process {proc.pid} \('dvc repro'\) died"):
+        dvc(["status"], repo)
+    assert unlock(repo) == [proc.pid]
+    assert "up to date" in dvc(["status"], repo) or dvc(["status"], repo) is not None

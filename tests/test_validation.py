@@ -1,0 +1,132 @@
+"""The Great Expectations gate: each kind of bad input is rejected with a report and quarantined."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from evoharness.data.pairs import build_pairs
+from evoharness.data.validation import ValidationFailed, gate
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory, games_root):
+    """Real teacher demos (2 per family, noise so that some fail) on the session's games."""
+    from evoharness.alfworld.games import list_games
+    from evoharness.collect import collect
+    from evoharness.episode import EpisodeConfig
+    from evoharness.policies import PolicySpec
+
+    out = tmp_path_factory.mktemp("demos")
+    collect(list_games(games_root, "train"), PolicySpec(kind="teacher", noise=0.6), EpisodeConfig(), 12, out, batch_size=6, workers=2, seed=1)
+    return out / "demos.jsonl"
+
+
+def _corrupt(src, dst, fn):
+    lines = src.read_text().splitlines()
+    lines = fn(lines)
+    dst.write_text("\n".join(lines) + "\n")
+    return dst
+
+
+def _edit(i, f):
+    def fn(lines):
+        rec = json.loads(lines[i])
+        f(rec)
+        lines[i] = json.dumps(rec)
+        return lines
+    return fn
+
+
+def test_clean_demos_and_pairs_pass(demos, tmp_path):
+    s = build_pairs(demos, tmp_path / "pairs", 0.25, 0)
+    assert s["kept"] + sum(s["dropped"].values()) == 12 and s["rows"]["train"] > 0
+    res = gate(demos, tmp_path / "pairs", 1024, tmp_path / "report", tmp_path / "q", tmp_path / "m.json")
+    assert res["trajectories"]["failed"] == 0 and res["pairs"]["failed"] == 0
+    assert json.loads((tmp_path / "m.json").read_text()) == res
+    assert (tmp_path / "report" / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").exists()
+    assert not (tmp_path / "q").exists()
+
+
+CASES = {
+    "truncated line": (lambda lines: lines[:-1] + [lines[-1][: len(lines[-1]) // 2]], "jsonl_lines_parse"),
+    "non-JSON line": (lambda lines: lines[:3] + ["this is not json"] + lines[3:], "jsonl_lines_parse"),
+    "missing field": (_edit(0, lambda r: r["outcome"].pop("won")), "expect_column_values_to_not_be_null"),
+    "unknown verb": (_edit(1, lambda r: r["turns"][0].update(kind="dance")), "expect_column_values_to_be_in_set"),
+    "unknown verb in calls": (_edit(1, lambda r: r["outcome"]["calls"].update(dance=2)), "expect_column_values_to_be_null"),
+    "NaN reward": (_edit(2, lambda r: r["reward"].update(total=math.nan)), "expect_column_values_to_not_be_null"),
+    "infinite reward": (_edit(2, lambda r: r["reward"].update(efficiency=math.inf)), "expect_column_values_to_be_between"),
+    "steps over budget": (_edit(3, lambda r: r["outcome"].update(steps=999)), "expect_column_pair_values_a_to_be_greater_than_b"),
+    "unknown family": (_edit(4, lambda r: r.update(family="juggle")), "expect_column_values_to_be_in_set"),
+    "bad response format": (_edit(5, lambda r: r["turns"][1].update(response="go to fridge 1", kind="env")), "expect_column_values_to_match_regex"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_corruption_is_rejected_and_quarantined(case, demos, tmp_path):
+    fn, expectation = CASES[case]
+    bad = _corrupt(demos, tmp_path / "demos.jsonl", fn)
+    original = bad.read_bytes()
+    with pytest.raises(ValidationFailed) as e:
+        gate(bad, None, 1024, tmp_path / "report", tmp_path / "quarantine", None)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("validation failed: demos.jsonl:") and expectation in msg
+    assert not bad.exists()  # moved, not copied
+    (qdir,) = list((tmp_path / "quarantine").iterdir())
+    assert (qdir / "demos.jsonl").read_bytes() == original  # nothing lost
+    report = json.loads((qdir / "report.json").read_text())
+    failed = [f for f in report["failed"] if f["expectation"] == expectation]
+    assert failed and failed[0]["unexpected_count"] >= 1 and failed[0]["where"] and report["quarantined"] == ["demos.jsonl"]
+    assert (qdir / "data_docs" / "index.html").exists() or expectation == "jsonl_lines_parse"
+
+
+def test_quarantine_never_overwrites(demos, tmp_path):
+    for _ in range(2):
+        bad = _corrupt(demos, tmp_path / "demos.jsonl", CASES["NaN reward"][0])
+        with pytest.raises(ValidationFailed):
+            gate(bad, None, 1024, tmp_path / "report", tmp_path / "quarantine", None)
+    assert len(list((tmp_path / "quarantine").iterdir())) == 2
+
+
+def test_bad_pairs_are_rejected(demos, tmp_path):
+    import pandas as pd
+
+    build_pairs(demos, tmp_path / "pairs", 0.25, 0)
+    train = pd.read_parquet(tmp_path / "pairs" / "train.parquet")
+    val = pd.read_parquet(tmp_path / "pairs" / "val.parquet")
+    leaked = pd.concat([val, train.head(3).assign(split="val")])  # an episode in both splits
+    train.loc[0, "response"] = ""
+    train.loc[1, "prompt_tokens"] = 5000  # over the profile's max length
+    train = pd.concat([train, train.tail(1)])  # a duplicate row
+    train.to_parquet(tmp_path / "pairs" / "train.parquet", index=False)
+    leaked.to_parquet(tmp_path / "pairs" / "val.parquet", index=False)
+    with pytest.raises(ValidationFailed) as e:
+        gate(None, tmp_path / "pairs", 1024, tmp_path / "report", tmp_path / "q", None)
+    (qdir,) = list((tmp_path / "q").iterdir())
+    report = json.loads((qdir / "report.json").read_text())
+    failed = {(f["expectation"], f["column"]) for f in report["failed"]}
+    assert ("expect_column_value_lengths_to_be_between", "response") in failed
+    assert ("expect_column_values_to_be_between", "total_tokens") in failed
+    assert ("expect_compound_columns_to_be_unique", "episode_id,turn") in failed
+    assert ("expect_column_values_to_be_between", "episode_splits") in failed
+    assert sorted(report["quarantined"]) == ["train.parquet", "val.parquet"] and "pairs" in str(e.value)
+
+
+def test_pairs_split_by_episode_and_few_shot_matches_prompt_builder(demos, tmp_path):
+    import pandas as pd
+
+    from evoharness.episode import TurnView, add_examples, build_prompt
+
+    s = build_pairs(demos, tmp_path / "p", 0.25, few_shot=1)
+    train = pd.read_parquet(tmp_path / "p" / "train.parquet")
+    val = pd.read_parquet(tmp_path / "p" / "val.parquet")
+    assert not set(train.episode_id) & set(val.episode_id)
+    assert s["dropped"].get("failed", 0) >= 1  # noise 0.6: some demos fail and are dropped
+    ex = json.loads((tmp_path / "p" / "exemplars.json").read_text())
+    assert ex and all(train[train.family == f].prompt.str.contains("EXAMPLES:\n" + v, regex=False).all() for f, v in ex.items() if (train.family == f).any())
+    view = TurnView(("track",), "put a mug in shelf.", "You are in a room.", ("look", "go to shelf 1"), ("look",), (("PLAN", "(empty)"),))
+    with_ex = TurnView(*view.__dict__.values())
+    object.__setattr__(with_ex, "examples", "a -> b; c")
+    assert add_examples(build_prompt(view), "a -> b; c") == build_prompt(with_ex)
