@@ -172,4 +172,5 @@ def test_evaluation_resumes_and_survives_a_truncated_line(games_root, tmp_path):
     again = evaluate(games, PolicySpec(kind="random"), EpisodeConfig(max_steps=5), [0], tmp_path, workers=2)
     assert again["reused"] == 3 and again["played"] == 3 and again["unparsed_lines"] == [4]
     lines = (tmp_path / "episodes.jsonl").read_text().splitlines()
-    assert lines[3] == '{"fingerprint": "cut sho' and len(lines) == 7  # kept, never overwritten
+    assert len(lines) == 7 and lines.count('{"fingerprint": "cut sho') == 1  # kept byte for byte, after the records
+    assert [json.loads(x)["game_id"] for x in lines[:6]] == sorted(g.id for g in games)  # canonical order

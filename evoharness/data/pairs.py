@@ -106,3 +106,38 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _field(prompt: str, name: str) -> str:
+    for line in prompt.split("\n"):
+        if line.startswith(f"{name}: "):
+            return line[len(name) + 2 :]
+    raise EvoError(f"prompt has no {name} line")
+
+
+def project_env_only(df):
+    """The same demos without the harness: each env turn re-prompted as ``env_only`` would have
+    seen it (no verbs, no panels, the episode's previous env actions as history), through
+    ``build_prompt``. Meta-action turns are dropped: in env_only they do not exist."""
+    from evoharness.episode import HISTORY, TurnView, build_prompt
+
+    out = []
+    for _, ep in df.sort_values(["episode_id", "turn"]).groupby("episode_id", sort=False):
+        history: list[str] = []
+        for row in ep.itertuples():
+            action = parse_response(row.response).action
+            if row.kind != "env":
+                continue
+            view = TurnView(
+                verbs=(),
+                objective=_field(row.prompt, "OBJECTIVE"),
+                observation=_field(row.prompt, "OBSERVATION"),
+                admissible=tuple(_field(row.prompt, "ADMISSIBLE COMMANDS").split(" | ")),
+                last_actions=tuple(history[-HISTORY:]),
+            )
+            prompt = build_prompt(view)
+            out.append({**row._asdict(), "prompt": prompt, "prompt_tokens": tokens.count(prompt)})
+            history.append(action)
+    import pandas as pd
+
+    return pd.DataFrame(out).drop(columns=["Index"]) if out else df.head(0)

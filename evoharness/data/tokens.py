@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-PATTERN = r"</?[a-z]+>|[A-Za-z]+|\d|[^\sA-Za-z\d]"
+PATTERN = r"</?[a-z]+>|[A-Za-z]+|\d+|[^\sA-Za-z\d]"
 _RE = re.compile(PATTERN)
 
 

@@ -1,0 +1,1 @@
+"""Training: profiles, the base model, SFT and cost-aware GRPO with TRL."""

@@ -1,0 +1,119 @@
+"""SFT with TRL's SFTTrainer on the pairs: loss on the response only, evaluation on the val split,
+checkpoints, resume after a kill, metrics to a JSON the DVC stage declares."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from evoharness.chat_format import render
+from evoharness.errors import EvoError
+from evoharness.training.profiles import Profile
+
+
+def load_rows(pairs_dir: Path, mode: str):
+    from evoharness.data.pairs import project_env_only
+    from evoharness.data.validation import load_pairs
+
+    df = load_pairs(pairs_dir)
+    if mode == "env_only":
+        df = project_env_only(df)
+    elif mode != "inline":
+        raise EvoError(f"sft mode must be inline or env_only, got {mode!r}")
+    return df[df.split == "train"], df[df.split == "val"]
+
+
+def to_dataset(df, tok):
+    """Pre-rendered prompt text (the same ``render`` the HF policy uses) and the response + EOS."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({
+        "prompt": [render(tok, p) for p in df.prompt],
+        "completion": [r + tok.eos_token for r in df.response],
+    })
+
+
+def last_checkpoint(ckpt_dir: Path) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+
+
+def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, mode: str = "inline", seed: int = 0, max_steps: int | None = None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    s = profile.sft
+    if not (Path(base_dir) / "config.json").exists():
+        raise EvoError(f"base model {base_dir} is not a Hugging Face checkpoint (no config.json)")
+    torch.set_num_threads(max(1, s.threads))
+    out_dir = Path(out_dir)
+    ckpts = out_dir / "checkpoints"
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if s.bf16 else torch.float32)
+    train_df, val_df = load_rows(Path(pairs_dir), mode)
+    if len(train_df) == 0:
+        raise EvoError(f"no training pairs in {pairs_dir}")
+    peft_config = None
+    if s.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    cfg = SFTConfig(
+        output_dir=str(ckpts),
+        max_length=s.max_length,
+        num_train_epochs=s.epochs,
+        max_steps=max_steps if max_steps is not None else s.max_steps,
+        per_device_train_batch_size=s.batch_size,
+        per_device_eval_batch_size=s.batch_size,
+        gradient_accumulation_steps=s.grad_accum,
+        learning_rate=s.learning_rate,
+        lr_scheduler_type=s.scheduler,
+        warmup_steps=s.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the steps
+        logging_steps=5,
+        eval_strategy="steps" if len(val_df) else "no",
+        eval_steps=s.eval_steps,
+        save_strategy="steps",
+        save_steps=s.save_steps,
+        save_total_limit=2,
+        completion_only_loss=True,
+        report_to=[],
+        seed=seed,
+        bf16=s.bf16,
+        gradient_checkpointing=s.gradient_checkpointing,
+        deepspeed=profile.deepspeed_config or None if profile.launcher == "accelerate" else None,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=to_dataset(train_df, tok),
+                         eval_dataset=to_dataset(val_df, tok) if len(val_df) else None, processing_class=tok, peft_config=peft_config)
+    resume = last_checkpoint(ckpts)
+    t0 = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    wall = time.time() - t0
+    final = out_dir / "model"
+    trainer.save_model(str(final))
+    tok.save_pretrained(str(final))
+    ev = trainer.evaluate() if len(val_df) else {}
+    ds = to_dataset(train_df, tok)
+    n_tokens = int(sum(len(tok(p + c, add_special_tokens=False)["input_ids"]) for p, c in zip(ds["prompt"], ds["completion"])))
+    rows_seen = int(result.global_step) * s.batch_size * s.grad_accum * profile.num_processes
+    metrics = {
+        "mode": mode,
+        "train_rows": len(train_df),
+        "val_rows": len(val_df),
+        "steps": int(result.global_step),
+        "train_loss": round(float(result.training_loss), 4),
+        "eval_loss": round(float(ev.get("eval_loss", float("nan"))), 4) if ev else None,
+        "resumed_from": os.path.basename(resume) if resume else None,
+        "epochs": s.epochs,
+        "tokens_per_epoch": n_tokens,
+    }
+    tokens_seen = rows_seen * n_tokens / max(len(train_df), 1)
+    (out_dir / "timing.json").write_text(json.dumps({"seconds": round(wall, 1), "train_runtime": round(float(result.metrics.get("train_runtime", wall)), 1),
+                                                     "tokens_per_s": round(tokens_seen / max(float(result.metrics.get("train_runtime", wall)), 1e-6), 1)}))
+    return metrics

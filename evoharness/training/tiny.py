@@ -1,0 +1,97 @@
+"""The tiny CPU profile's base model: a word-level tokenizer built from the ALFWorld vocabulary and a
+seeded Qwen3-architecture model made from a config, saved as a normal Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from evoharness.data import tokens
+
+SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def vocabulary(texts: list[str]) -> list[str]:
+    """Every word of the games' world (alfworld's object and receptacle names, the grammar, the
+    prompt's fixed text, meta-actions, numbers) plus every word of the given texts."""
+    import alfworld.gen.constants as c
+
+    from evoharness.alfworld.scenes import grammar_text
+    from evoharness.episode import VERB_HELP, system_text
+    from evoharness.harness.workspace import META_VERBS
+
+    words: set[str] = set()
+    names = [o.lower() for o in c.OBJECTS] + [r.lower() for r in c.RECEPTACLES] + ["sinkbasin", "bathtubbasin"]
+    base = [system_text(META_VERBS), " ".join(VERB_HELP.values()), grammar_text(), " ".join(names), " ".join(str(i) for i in range(100))]
+    for t in base + list(texts):
+        words.update(tokens.words(t))
+    return sorted(words)
+
+
+def build_tokenizer(vocab: list[str]):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = {tok: i for i, tok in enumerate(SPECIAL + [w for w in vocab if w not in SPECIAL])}
+    tk = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(tokens.PATTERN), behavior="isolated", invert=False)
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token=None, eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(vocab_size: int, cfg: dict, seed: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        head_dim=cfg["hidden_size"] // cfg["heads"],
+        max_position_embeddings=cfg["max_length"],
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=3,
+        bos_token_id=None,
+        use_cache=True,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int) -> dict:
+    """Tokenizer + model from the demos' prompts and responses and the world's vocabulary."""
+    from evoharness.rollout import read_jsonl
+
+    records, _ = read_jsonl(demos)
+    texts = [t["prompt"] + " " + t["response"] for r in records for t in r.get("turns", [])]
+    vocab = vocabulary(texts)
+    tok = build_tokenizer(vocab)
+    model = build_model(len(tok), cfg, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)
+    info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed}
+    (out / "base_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    return info
+
+
+def roundtrip_ok(tok, text: str) -> bool:
+    """Decoding the encoding gives back the same words (whitespace normalised)."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    back = tok.decode(ids, skip_special_tokens=True)
+    norm = lambda s: re.sub(r"\s+", " ", " ".join(tokens.words(s))).strip()  # noqa: E731
+    return norm(back) == norm(text)
