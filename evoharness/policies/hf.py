@@ -1,9 +1,11 @@
-"""A local Hugging Face causal LM as a policy (greedy or sampled). Weights load once per process."""
+"""A local Hugging Face causal LM as a policy (greedy or sampled), and the ``Sampler`` that GRPO
+rollouts use with the live training weights. Both render prompts with ``chat_format.render``."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from evoharness.chat_format import render
@@ -11,11 +13,11 @@ from evoharness.episode import Privileged, TurnView
 from evoharness.errors import PolicyError
 
 _MODELS: dict[str, tuple] = {}
-_LOCK = threading.Lock()
+_LOAD_LOCK = threading.Lock()
 
 
 def load(path: str):
-    with _LOCK:
+    with _LOAD_LOCK:
         if path not in _MODELS:
             p = Path(path)
             if not (p / "config.json").exists():
@@ -25,8 +27,43 @@ def load(path: str):
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path)
             model.eval()
-            _MODELS[path] = (tok, model)
+            _MODELS[path] = (tok, model, threading.Lock())
         return _MODELS[path]
+
+
+@dataclass
+class Sample:
+    text: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+
+
+class Sampler:
+    """Generate one response for a prompt; serialised by a lock (episodes run in threads)."""
+
+    def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, lock: threading.Lock | None = None):
+        self.model, self.tok = model, tok
+        self.sample, self.temperature, self.max_new_tokens = sample, temperature, max_new_tokens
+        self.lock = lock or threading.Lock()
+
+    def __call__(self, prompt: str, seed: int | None = None) -> Sample:
+        import torch
+
+        text = render(self.tok, prompt)
+        ids = self.tok(text, return_tensors="pt", add_special_tokens=False)
+        kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.sample, pad_token_id=self.tok.pad_token_id,
+                      eos_token_id=self.tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+        if self.sample:
+            kwargs.update(temperature=self.temperature, top_k=0, top_p=1.0)
+        with self.lock, torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**ids.to(self.model.device), **kwargs)
+        n = ids["input_ids"].shape[1]
+        comp = out.sequences[0, n:].tolist()
+        logps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, comp)]
+        return Sample(self.tok.decode(comp, skip_special_tokens=True), ids["input_ids"][0].tolist(), comp, logps)
 
 
 class HFPolicy:
@@ -39,24 +76,15 @@ class HFPolicy:
         self.calls = 0
 
     def fingerprint(self) -> str:
-        cfg = Path(self.path) / "model.safetensors"
-        digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:12] if cfg.exists() else "nohash"
+        weights = Path(self.path) / "model.safetensors"
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12] if weights.exists() else "nohash"
         return f"hf:v1:{digest}:{self.sample}:{self.temperature}:{self.max_new_tokens}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
-        import torch
-
-        tok, model = load(self.path)
-        text = render(tok, prompt)
-        ids = tok(text, return_tensors="pt", add_special_tokens=False)
-        kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.sample, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        if self.sample:
-            kwargs["temperature"] = self.temperature
-            torch.manual_seed(hash((self.seed, self.calls)) % (2**31))
+        tok, model, lock = load(self.path)
+        sampler = Sampler(model, tok, self.sample, self.temperature, self.max_new_tokens, lock)
         self.calls += 1
-        with _LOCK, torch.no_grad():
-            out = model.generate(**ids, **kwargs)
-        return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        return sampler(prompt, seed=(self.seed * 100_003 + self.calls) if self.sample else None).text
