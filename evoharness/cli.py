@@ -285,6 +285,134 @@ def remote(url: Optional[str] = typer.Option(None, help="set the default remote'
     typer.echo(f"default remote: {name} -> {dvc(['remote', 'list'], root).strip()}")
 
 
+def _profile(params: str, name: Optional[str]):
+    from evoharness.config import load_params
+    from evoharness.training.profiles import load_profile
+
+    return load_profile(name or load_params(params).profile, params)
+
+
+def _relaunch(profile, argv: list[str]) -> bool:
+    """Re-run this command under accelerate for a multi-GPU profile; True if it did."""
+    import subprocess
+
+    from evoharness.training.distributed import launch_argv
+
+    cmd = launch_argv(profile, argv, Path.cwd())
+    if cmd is None:
+        return False
+    r = subprocess.run(cmd)
+    if r.returncode:
+        raise EvoError(f"accelerate launch of {' '.join(argv[:1])} exited with {r.returncode}")
+    return True
+
+
+@app.command("base-model")
+def base_model(
+    out: Path = typer.Option(Path("data/models/base")),
+    demos: Path = typer.Option(Path("data/demos/demos.jsonl")),
+    profile: Optional[str] = typer.Option(None, help="profile name (params profile)"),
+    params: str = PARAMS,
+):
+    """Make the profile's base model: tiny (built from a config, seeded) or a pretrained path."""
+    from evoharness.config import load_params
+
+    prof = _profile(params, profile)
+    seed = load_params(params).seed
+    if prof.base.kind == "tiny":
+        from evoharness.training.tiny import make_tiny_base
+
+        info = make_tiny_base(demos, out, prof.base.model_dump(), seed)
+        typer.echo(f"tiny base: {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
+        return
+    src = Path(prof.base.path)
+    if not (src / "config.json").exists():
+        raise EvoError(f"profile {prof.name}: base model {prof.base.path} is not a local checkpoint; download it once (e.g. huggingface-cli download {prof.base.path} --local-dir models/{Path(prof.base.path).name}) and set profiles.{prof.name}.base.path")
+    from evoharness.policies.hf import write_pointer
+
+    write_pointer(out, src)
+    typer.echo(f"base: {src} (pointer in {out})")
+
+
+@app.command()
+def sft(
+    pairs_dir: Path = typer.Option(Path("data/pairs"), "--pairs"),
+    base: Path = typer.Option(Path("data/models/base")),
+    out: Path = typer.Option(Path("data/models/sft-inline")),
+    mode: str = typer.Option("inline", help="inline (pairs as collected) | env_only (the same demos without the harness)"),
+    metrics: Optional[Path] = typer.Option(None),
+    checkpoints: Optional[Path] = typer.Option(None, help="checkpoint folder kept across kills (default: beside --out)"),
+    timing: Optional[Path] = typer.Option(None, help="wall-clock figures (kept out of hashed outputs)"),
+    profile: Optional[str] = typer.Option(None),
+    max_steps: Optional[int] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """Supervised fine-tuning with TRL SFTTrainer (loss on the response only; resumes from checkpoints)."""
+    import sys as _sys
+
+    from evoharness.config import load_params
+    from evoharness.training.sft import train_sft
+
+    prof = _profile(params, profile)
+    if _relaunch(prof, _sys.argv[1:]):
+        return
+    m = train_sft(pairs_dir, base, out, prof, mode, load_params(params).seed, max_steps, checkpoints, timing)
+    if metrics:
+        _write_json(metrics, m)
+    typer.echo(f"sft ({mode}): {m['steps']} steps, train loss {m['train_loss']}, eval loss {m['eval_loss']}")
+
+
+@app.command()
+def grpo(
+    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    sft_dir: Path = typer.Option(Path("data/models/sft-inline"), "--sft"),
+    bank: Optional[Path] = typer.Option(Path("data/demos/experience.json")),
+    out: Path = typer.Option(Path("data/models/grpo")),
+    metrics: Optional[Path] = typer.Option(None),
+    curve: Optional[Path] = typer.Option(None, help="per-update curve JSONL (DVC plot)"),
+    checkpoints: Optional[Path] = typer.Option(None),
+    timing: Optional[Path] = typer.Option(None),
+    profile: Optional[str] = typer.Option(None),
+    steps: Optional[int] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """Cost-aware GRPO with TRL GRPOTrainer: groups of rollouts of one game on the real engine."""
+    import sys as _sys
+
+    from evoharness.config import load_params
+
+    prof = _profile(params, profile)
+    if _relaunch(prof, _sys.argv[1:]):
+        return
+    from evoharness.training.grpo import train_grpo
+
+    p = load_params(params)
+    r = train_grpo(games_root, sft_dir, bank, out, prof, p.episode.reward.model_copy(update={"updates": steps or prof.grpo.steps}), p.seed, p.workers, steps,
+                   checkpoints, curve, timing)
+    if metrics:
+        _write_json(metrics, r)
+    last = r["last"] or {}
+    typer.echo(f"grpo: {r['steps']} updates, {r['episodes']} episodes; last step success {last.get('success')} calls {last.get('calls_per_episode')}")
+
+
+@app.command()
+def compare(
+    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    models: Path = typer.Option(Path("data/models")),
+    bank: Path = typer.Option(Path("data/demos/experience.json")),
+    out: Path = typer.Option(Path("data/eval")),
+    metrics: Optional[Path] = typer.Option(None),
+    profile: Optional[str] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """Evaluate base (env_only and inline), SFT (both) and GRPO on valid_seen and valid_unseen."""
+    from evoharness.compare import compare as run_compare
+
+    res = run_compare(params, _profile(params, profile), games_root, models, bank, out, echo=typer.echo)
+    if metrics:
+        _write_json(metrics, res)
+
+
 def _write_json(path: Path, data) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

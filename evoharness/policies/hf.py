@@ -16,7 +16,29 @@ _MODELS: dict[str, tuple] = {}
 _LOAD_LOCK = threading.Lock()
 
 
+POINTER = "pointer.json"
+
+
+def write_pointer(out: Path, target: Path) -> None:
+    """A pretrained base stays where it is; the stage's output records where (and which config)."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = (target / "config.json").read_text()
+    (out / POINTER).write_text(json.dumps({"path": str(target.resolve()), "config_sha256": hashlib.sha256(cfg.encode()).hexdigest()}))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    import json
+
+    p = Path(path)
+    if (p / POINTER).exists():
+        return Path(json.loads((p / POINTER).read_text())["path"])
+    return p
+
+
 def load(path: str):
+    path = str(resolve_checkpoint(path))
     with _LOAD_LOCK:
         if path not in _MODELS:
             p = Path(path)

@@ -69,10 +69,11 @@ def group_blocks(prompts: list[str], num_generations: int) -> list[str]:
 class Rollouts:
     """The ``rollout_func``: plays the groups and returns TRL's rows plus the episode rewards."""
 
-    def __init__(self, games: dict[str, Game], profile: Profile, bank: Experience, pool: EnvPool, tok, out_dir: Path, reward: RewardConfig, seed: int = 0):
+    def __init__(self, games: dict[str, Game], profile: Profile, bank: Experience, pool: EnvPool, tok, out_dir: Path, reward: RewardConfig,
+                 seed: int = 0, curve: Path | None = None):
         self.games, self.profile, self.bank, self.pool, self.tok = games, profile, bank, pool, tok
         self.out_dir, self.reward, self.seed = Path(out_dir), reward, seed
-        self.curve = self.out_dir / "curve.jsonl"
+        self.curve = Path(curve) if curve else self.out_dir / "curve.jsonl"
         self.lock = threading.Lock()
         self.calls = 0
 
@@ -93,7 +94,6 @@ class Rollouts:
             if gid not in self.games:
                 raise EvoError(f"grpo: prompt {gid!r} is not a training game id")
         jobs = [(gid, r) for gid in blocks for r in range(g.rollouts)]
-        t0 = time.time()
 
         def play(worker, job):
             gid, r = job
@@ -124,10 +124,10 @@ class Rollouts:
         trajs = [t.to_json() for t, _ in results]
         edits = consolidate(self.bank, trajs)  # between batches: the bank was frozen while they ran
         self.bank.save(self.out_dir / "experience.json")
-        self._log(u, trajs, edits, time.time() - t0)
+        self._log(u, trajs, edits)
         return rows
 
-    def _log(self, u: int, trajs: list[dict], edits: list[dict], seconds: float) -> None:
+    def _log(self, u: int, trajs: list[dict], edits: list[dict]) -> None:
         ok = [t for t in trajs if not t.get("error")]
         n = max(len(ok), 1)
         comps = ("success", "efficiency", "diversity", "repeats", "invalid", "total")
@@ -143,7 +143,6 @@ class Rollouts:
             "invalid_rate": round(sum(t["outcome"]["invalid"] for t in ok) / max(turns, 1), 4),
             "episode_length": round(sum(t["outcome"]["steps"] for t in ok) / n, 2),
             "bank_edits": dict(Counter(e["op"] for e in edits if str(e.get("result", "")).startswith("applied"))),
-            "episodes_per_min": round(60 * len(trajs) / max(seconds, 1e-6), 2),
         }
         with open(self.curve, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -155,9 +154,14 @@ def episode_reward(prompts, completions, episode_reward, **kwargs):
 
 
 def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir: Path, profile: Profile, reward: RewardConfig,
-               seed: int = 0, workers: int = 2, steps: int | None = None) -> dict:
+               seed: int = 0, workers: int = 2, steps: int | None = None, checkpoints: Path | None = None,
+               curve: Path | None = None, timing: Path | None = None) -> dict:
+    """Train and save the model and its evolved bank to ``out_dir``; the per-step curve goes to
+    ``curve`` (a DVC plot), checkpoints to a folder that survives a kill."""
     import torch
     from datasets import Dataset
+
+    from evoharness.training.sft import last_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -166,7 +170,9 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         raise EvoError(f"grpo: {sft_dir} is not a Hugging Face checkpoint (no config.json)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "curve.jsonl").unlink(missing_ok=True)
+    ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
+    curve = Path(curve) if curve else out_dir.parent / f"{out_dir.name}-curve.jsonl"
+    curve.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, profile.sft.threads))
     games = {x.id: x for x in list_games(games_root, "train") if not x.error}
     if not games:
@@ -180,7 +186,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     bank = Experience.load_or_seed(bank_path)
     n_gen = g.rollouts * g.turns_per_rollout
     cfg = GRPOConfig(
-        output_dir=str(out_dir / "checkpoints"),
+        output_dir=str(ckpts),
         num_generations=n_gen,
         per_device_train_batch_size=n_gen,
         gradient_accumulation_steps=g.games_per_step,
@@ -205,19 +211,21 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         log_completions=False,
     )
     with EnvPool(workers) as pool:
-        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed)
+        resume = last_checkpoint(ckpts)
+        if resume is None:
+            curve.unlink(missing_ok=True)  # a fresh run: the curve restarts; a resumed run appends
+        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, curve)
         trainer = GRPOTrainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
                               processing_class=tok, rollout_func=rollouts)
-        from evoharness.training.sft import last_checkpoint
-
-        resume = last_checkpoint(out_dir / "checkpoints")
         t0 = time.time()
         result = trainer.train(resume_from_checkpoint=resume)
         wall = time.time() - t0
-    trainer.save_model(str(out_dir / "model"))
-    tok.save_pretrained(str(out_dir / "model"))
-    curve = [json.loads(x) for x in (out_dir / "curve.jsonl").read_text().splitlines()] if (out_dir / "curve.jsonl").exists() else []
-    episodes = sum(c["episodes"] for c in curve)
-    (out_dir / "timing.json").write_text(json.dumps({"seconds": round(wall, 1), "episodes_per_min": round(60 * episodes / max(wall, 1e-6), 2)}))
+    trainer.save_model(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    rows = [json.loads(x) for x in curve.read_text().splitlines()] if curve.exists() else []
+    episodes = sum(c["episodes"] for c in rows)
+    if timing:
+        Path(timing).parent.mkdir(parents=True, exist_ok=True)
+        Path(timing).write_text(json.dumps({"seconds": round(wall, 1), "episodes_per_min": round(60 * episodes / max(wall, 1e-6), 2)}))
     return {"steps": int(result.global_step), "episodes": episodes, "train_loss": round(float(result.training_loss), 4),
-            "first": curve[0] if curve else None, "last": curve[-1] if curve else None, "resumed_from": Path(resume).name if resume else None}
+            "first": rows[0] if rows else None, "last": rows[-1] if rows else None, "resumed_from": Path(resume).name if resume else None}

@@ -66,7 +66,7 @@ class GRPOSpec(_Strict):
     beta: float = Field(0.01, ge=0, description="KL coefficient")
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(512, ge=8)
-    max_steps_per_episode: int = Field(70, ge=5)
+    max_steps_per_episode: int = Field(70, ge=1)
     charge_meta_actions: bool = True
     use_vllm: bool = False
     bf16: bool = False

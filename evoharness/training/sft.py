@@ -41,17 +41,24 @@ def last_checkpoint(ckpt_dir: Path) -> str | None:
     return get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
 
 
-def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, mode: str = "inline", seed: int = 0, max_steps: int | None = None) -> dict:
+def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, mode: str = "inline", seed: int = 0, max_steps: int | None = None,
+              checkpoints: Path | None = None, timing: Path | None = None) -> dict:
+    """Train and save the model to ``out_dir``. ``checkpoints`` (default ``out_dir/../<name>-checkpoints``)
+    survives a kill: the next run resumes from its last checkpoint. Wall-clock figures go to
+    ``timing``, outside any hashed output."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from evoharness.policies.hf import resolve_checkpoint
+
     s = profile.sft
+    base_dir = resolve_checkpoint(base_dir)
     if not (Path(base_dir) / "config.json").exists():
         raise EvoError(f"base model {base_dir} is not a Hugging Face checkpoint (no config.json)")
     torch.set_num_threads(max(1, s.threads))
     out_dir = Path(out_dir)
-    ckpts = out_dir / "checkpoints"
+    ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if s.bf16 else torch.float32)
     train_df, val_df = load_rows(Path(pairs_dir), mode)
@@ -95,9 +102,8 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     wall = time.time() - t0
-    final = out_dir / "model"
-    trainer.save_model(str(final))
-    tok.save_pretrained(str(final))
+    trainer.save_model(str(out_dir))
+    tok.save_pretrained(str(out_dir))
     ev = trainer.evaluate() if len(val_df) else {}
     ds = to_dataset(train_df, tok)
     n_tokens = int(sum(len(tok(p + c, add_special_tokens=False)["input_ids"]) for p, c in zip(ds["prompt"], ds["completion"])))
@@ -114,6 +120,8 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         "tokens_per_epoch": n_tokens,
     }
     tokens_seen = rows_seen * n_tokens / max(len(train_df), 1)
-    (out_dir / "timing.json").write_text(json.dumps({"seconds": round(wall, 1), "train_runtime": round(float(result.metrics.get("train_runtime", wall)), 1),
-                                                     "tokens_per_s": round(tokens_seen / max(float(result.metrics.get("train_runtime", wall)), 1e-6), 1)}))
+    if timing:
+        Path(timing).parent.mkdir(parents=True, exist_ok=True)
+        Path(timing).write_text(json.dumps({"seconds": round(wall, 1), "train_runtime": round(float(result.metrics.get("train_runtime", wall)), 1),
+                                            "tokens_per_s": round(tokens_seen / max(float(result.metrics.get("train_runtime", wall)), 1e-6), 1)}))
     return metrics

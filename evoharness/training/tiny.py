@@ -27,7 +27,8 @@ def vocabulary(texts: list[str]) -> list[str]:
 
     words: set[str] = set()
     names = [o.lower() for o in c.OBJECTS] + [r.lower() for r in c.RECEPTACLES] + ["sinkbasin", "bathtubbasin"]
-    base = [system_text(META_VERBS), " ".join(VERB_HELP.values()), grammar_text(), " ".join(names), " ".join(str(i) for i in range(100))]
+    base = [system_text(META_VERBS), " ".join(VERB_HELP.values()), grammar_text(), " ".join(names), " ".join(str(i) for i in range(100)),
+            "system user assistant"]  # the chat template's role names
     for t in base + list(texts):
         words.update(tokens.words(t))
     return sorted(words)
@@ -39,7 +40,8 @@ def build_tokenizer(vocab: list[str]):
 
     table = {tok: i for i, tok in enumerate(SPECIAL + [w for w in vocab if w not in SPECIAL])}
     tk = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(tokens.PATTERN), behavior="isolated", invert=False)
+    # The pattern describes the tokens; everything between them (whitespace) is dropped.
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(tokens.PATTERN), behavior="removed", invert=True)
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token=None, eos_token="<|im_end|>",

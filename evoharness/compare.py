@@ -1,0 +1,82 @@
+"""The evaluate stage: every trained stage's model, each in its mode, on seen and unseen games,
+with one JSON per model and a comparison table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from evoharness.alfworld.families import FAMILIES
+from evoharness.alfworld.games import list_games
+from evoharness.config import load_params
+from evoharness.envpool import EnvPool
+from evoharness.errors import EvoError
+from evoharness.evaluate import evaluate, format_table
+from evoharness.harness.experience import Experience
+from evoharness.harness.workspace import META_VERBS
+from evoharness.policies import PolicySpec
+from evoharness.training.profiles import Profile
+
+# (label, model folder under models/, mode): ReAct and frozen BPE on the base, SFT without and with
+# the harness, and GRPO with it.
+LINEUP = (
+    ("base-env_only", "base", "env_only"),
+    ("base-inline", "base", "inline"),
+    ("sft-env_only", "sft-env_only", "env_only"),
+    ("sft-inline", "sft-inline", "inline"),
+    ("grpo-inline", "grpo", "inline"),
+)
+
+
+def per_family(games, n: int):
+    """The first n games of each family (by id): every family equally represented."""
+    out, seen = [], {}
+    for g in games:
+        if seen.get(g.family, 0) < n:
+            out.append(g)
+            seen[g.family] = seen.get(g.family, 0) + 1
+    return out
+
+
+def comparison_table(results: dict) -> str:
+    fams = list(FAMILIES.values())
+    lines = ["| model | split | " + " | ".join(fams) + " | all | steps | " + " | ".join(META_VERBS) + " | invalid |",
+             "|---" * (len(fams) + 6 + len(META_VERBS)) + "|"]
+    for label, splits in results.items():
+        for split, s in splits.items():
+            row = [f"{100 * s[f]['success']:.0f}" if f in s else "-" for f in fams]
+            a = s["all"]
+            lines.append(f"| {label} | {split} | " + " | ".join(row) + f" | **{100 * a['success']:.1f}** | {a['steps']:.1f} | "
+                         + " | ".join(f"{a['calls'][v]:.2f}" for v in META_VERBS) + f" | {100 * a['invalid_rate']:.1f}% |")
+    return "\n".join(lines)
+
+
+def compare(params_path: str, profile: Profile, games_root: Path, models: Path, bank_path: Path, out: Path, echo: Callable[[str], None] = print) -> dict:
+    p = load_params(params_path)
+    bank = Experience.load(bank_path)
+    out = Path(out)
+    results: dict = {}
+    with EnvPool(p.workers) as pool:
+        for label, folder, mode in LINEUP:
+            from evoharness.policies.hf import resolve_checkpoint
+
+            path = Path(models) / folder
+            if not (resolve_checkpoint(path) / "config.json").exists():
+                raise EvoError(f"compare: {path} is not a model checkpoint (run its stage first)")
+            cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False})})
+            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens)
+            results[label] = {}
+            for split in ("valid_seen", "valid_unseen"):
+                games = per_family(list_games(games_root, split), profile.eval_games_per_family)
+                # GRPO evolved its own bank; the others read the teacher's.
+                own = path / "experience.json"
+                b = Experience.load(own) if own.exists() else bank
+                r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, p.workers, b if mode != "env_only" else None, pool=pool)
+                results[label][split] = r["summary"]
+                echo(format_table(f"{label} {split}", r["summary"]))
+            (out / label / "results.json").write_text(json.dumps(results[label], indent=2))
+    table = comparison_table(results)
+    (out / "comparison.md").write_text(table + "\n")
+    echo(table)
+    return {label: {split: {"success": s["all"]["success"], **{f: s[f]["success"] for f in FAMILIES.values() if f in s}} for split, s in sp.items()} for label, sp in results.items()}

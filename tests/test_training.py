@@ -1,0 +1,222 @@
+"""Training on the tiny model with the real TRL trainers: micro SFT (and resume), micro GRPO,
+group construction, prompt identity across SFT / GRPO / evaluation, DeepSpeed and profile configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoharness.errors import EvoError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "max_length": 1024}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, games_root):
+    """Demos, pairs, a tiny base and a 2-step SFT model."""
+    from evoharness.alfworld.games import list_games
+    from evoharness.collect import collect
+    from evoharness.data.pairs import build_pairs
+    from evoharness.episode import EpisodeConfig
+    from evoharness.policies import PolicySpec
+    from evoharness.training.profiles import BaseModelSpec, Profile, SFTSpec
+    from evoharness.training.sft import train_sft
+    from evoharness.training.tiny import make_tiny_base
+
+    d = tmp_path_factory.mktemp("train")
+    collect(list_games(games_root, "train"), PolicySpec(kind="teacher"), EpisodeConfig(), 6, d / "demos", batch_size=6, workers=2, seed=2)
+    build_pairs(d / "demos" / "demos.jsonl", d / "pairs", 0.2, 0)
+    make_tiny_base(d / "demos" / "demos.jsonl", d / "base", TINY, 0)
+    profile = Profile(name="t", base=BaseModelSpec(kind="tiny", **TINY), sft=SFTSpec(batch_size=4, save_steps=1, eval_steps=1, max_length=1024))
+    metrics = train_sft(d / "pairs", d / "base", d / "sft", profile, "inline", 0, max_steps=2)
+    return {"dir": d, "profile": profile, "sft_metrics": metrics}
+
+
+def test_tiny_base_is_a_normal_hugging_face_checkpoint(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evoharness.episode import parse_response
+
+    base = trained["dir"] / "base"
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == len(tok)
+    resp = "<think>I take the mug 2 from the cabinet 13.</think>\n<action>take mug 2 from cabinet 13</action>"
+    back = tok.decode(tok(resp, add_special_tokens=False)["input_ids"])
+    assert parse_response(back).action == "take mug 2 from cabinet 13"
+    assert tok.unk_token_id not in tok("go to countertop 1", add_special_tokens=False)["input_ids"]
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+def test_micro_sft_trains_on_the_response_only_and_resumes(trained):
+    from evoharness.training.sft import load_rows, to_dataset, train_sft
+    from transformers import AutoTokenizer
+
+    m = trained["sft_metrics"]
+    d = trained["dir"]
+    assert m["steps"] == 2 and m["train_loss"] > 0 and m["eval_loss"] is not None and m["resumed_from"] is None
+    assert (d / "sft" / "config.json").exists() and (d / "sft-checkpoints" / "checkpoint-2").exists()
+    # a killed run (here: a longer budget) resumes from the last checkpoint instead of starting over
+    again = train_sft(d / "pairs", d / "base", d / "sft", trained["profile"], "inline", 0, max_steps=3)
+    assert again["resumed_from"] == "checkpoint-2" and again["steps"] == 3
+    # loss on the response only: TRL's labels are -100 on the prompt, the response and its EOS are learned
+    from trl import SFTConfig, SFTTrainer
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(d / "base")
+    train, _ = load_rows(d / "pairs", "inline")
+    ds = to_dataset(train.head(3), tok)
+    t = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(d / "base"), args=SFTConfig(output_dir=str(d / "x"), report_to=[], use_cpu=True, max_length=1024),
+                   train_dataset=ds, processing_class=tok)
+    row = t.train_dataset[0]
+    n_resp = len(tok(train.response.iloc[0], add_special_tokens=False)["input_ids"]) + 1
+    learned = [x for x in row["labels"] if x != -100]
+    assert len(learned) == n_resp and row["labels"][: len(row["input_ids"]) - n_resp] == [-100] * (len(row["input_ids"]) - n_resp)
+
+
+def test_env_only_projection_is_the_same_demos_without_the_harness(trained):
+    from evoharness.training.sft import load_rows
+
+    inline, _ = load_rows(trained["dir"] / "pairs", "inline")
+    env, _ = load_rows(trained["dir"] / "pairs", "env_only")
+    assert len(env) == (inline.kind == "env").sum()
+    assert not env.prompt.str.contains("track \\[query\\]|PLAN:|HINTS:|RESULT:").any()
+    assert not env.prompt.str.contains("LAST ACTIONS: .*(recall|commit|track|note) ", regex=True).any()
+    assert set(env.response) <= set(inline.response)
+
+
+def test_group_blocks():
+    from evoharness.training.grpo import group_blocks
+
+    assert group_blocks(["a"] * 4 + ["b"] * 4, 4) == ["a", "b"]
+    assert group_blocks(["a", "b", "c"], 4) == ["a", "b", "c"]
+    assert group_blocks(["a"] * 8, 4) == ["a", "a"]  # the same game drawn twice: two groups
+
+
+def test_micro_grpo_step_with_the_real_trainer(trained, games_root, tmp_path):
+    from evoharness.harness.experience import Experience
+    from evoharness.reward import RewardConfig
+    from evoharness.training.grpo import train_grpo
+    from evoharness.training.profiles import GRPOSpec, Profile
+
+    prof = Profile(name="t", base=trained["profile"].base, sft=trained["profile"].sft,
+                   grpo=GRPOSpec(games_per_step=1, rollouts=2, turns_per_rollout=2, steps=1, max_new_tokens=12, max_steps_per_episode=3, learning_rate=1e-3))
+    bank = tmp_path / "bank.json"
+    Experience.seeded().save(bank)
+    r = train_grpo(games_root, trained["dir"] / "sft", bank, tmp_path / "grpo", prof, RewardConfig(updates=1), seed=0, workers=2, steps=1,
+                   curve=tmp_path / "curve.jsonl", timing=tmp_path / "timing.json")
+    assert r["steps"] == 1 and r["episodes"] == 2
+    curve = [json.loads(x) for x in (tmp_path / "curve.jsonl").read_text().splitlines()]
+    assert len(curve) == 1 and set(curve[0]["reward"]) == {"success", "efficiency", "diversity", "repeats", "invalid", "total"}
+    assert set(curve[0]["calls_per_episode"]) == {"track", "commit", "recall", "note"} and curve[0]["diversity_weight"] == 1.0
+    assert curve[0]["episode_length"] <= 3  # meta-actions are charged: the budget binds every turn
+    assert Experience.load(tmp_path / "grpo" / "experience.json").updates == 1  # consolidated after the batch
+    assert (tmp_path / "grpo" / "config.json").exists() and json.loads((tmp_path / "timing.json").read_text())["seconds"] > 0
+
+
+def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
+    """Each group's rows are that game's rollouts; rows carry their episode's reward."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evoharness.alfworld.games import list_games
+    from evoharness.envpool import EnvPool
+    from evoharness.harness.experience import Experience
+    from evoharness.reward import RewardConfig
+    from evoharness.training.grpo import Rollouts
+    from evoharness.training.profiles import GRPOSpec, Profile
+
+    d = trained["dir"]
+    prof = Profile(name="t", base=trained["profile"].base, grpo=GRPOSpec(games_per_step=2, rollouts=2, turns_per_rollout=3, max_new_tokens=8, max_steps_per_episode=2))
+    games = {g.id: g for g in list_games(games_root, "train")}
+    a, b = sorted(games)[:2]
+    model = AutoModelForCausalLM.from_pretrained(d / "sft")
+    tok = AutoTokenizer.from_pretrained(d / "sft")
+    # The trainer's side of the rollout_func contract: its model, accelerator and step counter.
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m), state=SimpleNamespace(global_step=0))
+    seen = []
+    with EnvPool(2) as pool:
+        ro = Rollouts(games, prof, Experience.seeded(), pool, tok, d / "ro", RewardConfig(), 0, d / "ro-curve.jsonl")
+        (d / "ro").mkdir(exist_ok=True)
+        out = ro([a] * 6 + [b] * 6, trainer)
+    assert len(out["prompt_ids"]) == 12 and len(out["episode_reward"]) == 12
+    texts = [tok.decode(p) for p in out["prompt_ids"]]
+    objective = lambda t: t.split("OBJECTIVE")[1].split("OBSERVATION")[0]  # noqa: E731
+    # rows 0-5 are game a's group, rows 6-11 game b's: one objective per group, two different games
+    assert len({objective(t) for t in texts[:6]}) == 1 and len({objective(t) for t in texts[6:]}) == 1
+    task = lambda gid: games[gid].id  # noqa: E731
+    assert task(a) != task(b)
+    # 2 rollouts x 3 rows: each row carries its own episode's reward
+    curve = [json.loads(x) for x in (d / "ro-curve.jsonl").read_text().splitlines()]
+    assert curve[-1]["episodes"] == 4 and len(set(out["episode_reward"][:6])) <= 2
+
+
+def test_prompts_and_tokens_identical_across_sft_grpo_and_eval(trained, games_root):
+    from transformers import AutoTokenizer
+
+    from evoharness.alfworld.games import list_games
+    from evoharness.chat_format import render
+    from evoharness.envpool import EnvWorker
+    from evoharness.episode import EpisodeConfig, run_episode
+    from evoharness.harness.experience import Experience
+    from evoharness.policies.hf import HFPolicy, Sampler, load
+    from evoharness.training.grpo import RecordingPolicy
+    from evoharness.training.sft import load_rows, to_dataset
+
+    d = trained["dir"]
+    demos = [json.loads(x) for x in (d / "demos" / "demos.jsonl").read_text().splitlines()]
+    demo = demos[0]
+    game = next(g for g in list_games(games_root, "train") if g.id == demo["game_id"])
+    cfg = EpisodeConfig(max_steps=1)
+    w = EnvWorker()
+    try:
+        ev = run_episode(w, game, HFPolicy(str(d / "sft"), max_new_tokens=8), cfg, Experience.seeded(), demo["seed"])
+        tok, model, lock = load(str(d / "sft"))
+        rec = RecordingPolicy(Sampler(model, tok, True, 1.0, 8, lock), 0)
+        gr = run_episode(w, game, rec, cfg, Experience.seeded(), demo["seed"])
+    finally:
+        w.close()
+    assert demo["turns"][0]["prompt"] == ev.turns[0].prompt == gr.turns[0].prompt  # collection == eval == GRPO
+    tok = AutoTokenizer.from_pretrained(d / "sft")
+    ids_eval = tok(render(tok, ev.turns[0].prompt), add_special_tokens=False)["input_ids"]
+    assert rec.turns[0].prompt_ids == ids_eval  # GRPO's tokens are evaluation's tokens
+    train, val = load_rows(d / "pairs", "inline")
+    rows = train[(train.episode_id == demo["episode_id"]) & (train.turn == 0)]
+    rows = rows if len(rows) else val[(val.episode_id == demo["episode_id"]) & (val.turn == 0)]
+    assert to_dataset(rows, tok)["prompt"][0] == render(tok, ev.turns[0].prompt)  # SFT's text is evaluation's text
+
+
+def test_deepspeed_zero3_config_parses_with_deepspeeds_own_parser():
+    from evoharness.training.distributed import launch_argv, validate_deepspeed
+    from evoharness.training.profiles import load_profile
+
+    prof = load_profile("qwen3-8b-h200", ROOT / "params.yaml")
+    ds = validate_deepspeed(prof, ROOT, prof.sft.batch_size, prof.sft.grad_accum)
+    assert ds.zero_optimization_stage == 3 and ds.train_micro_batch_size_per_gpu == prof.sft.batch_size
+    argv = launch_argv(prof, ["sft", "--mode", "inline"], ROOT)
+    assert argv[1:3] == ["-m", "accelerate.commands.launch"] and "--num_processes" in argv and argv[-3:] == ["sft", "--mode", "inline"]
+    assert launch_argv(load_profile("tiny-cpu", ROOT / "params.yaml"), ["sft"], ROOT) is None
+    acc = yaml.safe_load((ROOT / "configs" / "accelerate_h200.yaml").read_text())
+    assert acc["distributed_type"] == "DEEPSPEED" and acc["mixed_precision"] == "bf16" and acc["num_processes"] == prof.num_processes
+
+
+def test_profiles_validate_and_name_a_wrong_field(tmp_path):
+    from evoharness.training.profiles import load_profile
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    tiny = load_profile("tiny-cpu", ROOT / "params.yaml")
+    big = load_profile("qwen3-8b-h200", ROOT / "params.yaml")
+    assert tiny.base.kind == "tiny" and big.base.path == "Qwen/Qwen3-8B" and big.sft.lora_r == 64 and big.sft.lora_alpha == 128
+    assert (big.grpo.games_per_step, big.grpo.rollouts, big.grpo.steps, big.grpo.beta) == (16, 8, 150, 0.01)
+    raw["profiles"]["tiny-cpu"]["sft"]["lerning_rate"] = 0.1
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(EvoError, match=r"profiles.tiny-cpu.sft.lerning_rate: Extra inputs are not permitted"):
+        load_profile("tiny-cpu", p)
+    with pytest.raises(EvoError, match=r"no profile 'huge'"):
+        load_profile("huge", p)
