@@ -47,3 +47,7 @@ def main_job(start: Path, echo: Callable[[str], None] = print) -> None:
     demos = json.loads((root / "data" / "metrics" / "demos.json").read_text())
     pairs = json.loads((root / "data" / "metrics" / "pairs.json").read_text())
     echo(f"teacher demos: {demos['won']}/{demos['demos']} won; SFT pairs: {pairs['rows']['train']} train / {pairs['rows']['val']} val rows")
+    comparison = root / "data" / "eval" / "comparison.md"
+    if comparison.exists():
+        echo("\nModels on valid_seen / valid_unseen (success % per family, calls per episode by verb):")
+        echo(comparison.read_text())
