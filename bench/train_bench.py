@@ -1,0 +1,51 @@
+"""Training throughput on CPU: SFT tokens/s and GRPO episodes/minute on the tiny profile.
+
+    .venv/bin/python bench/train_bench.py [--games data/games] [--pairs data/pairs] [--demos data/demos/demos.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--games", type=Path, default=Path("data/games"))
+    ap.add_argument("--pairs", type=Path, default=Path("data/pairs"))
+    ap.add_argument("--demos", type=Path, default=Path("data/demos/demos.jsonl"))
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--sft-steps", type=int, default=20)
+    ap.add_argument("--grpo-steps", type=int, default=2)
+    args = ap.parse_args()
+    from evoharness.reward import RewardConfig
+    from evoharness.training.grpo import train_grpo
+    from evoharness.training.profiles import load_profile
+    from evoharness.training.sft import train_sft
+    from evoharness.training.tiny import make_tiny_base
+
+    prof = load_profile("tiny-cpu", args.params)
+    tmp = Path(tempfile.mkdtemp())
+    info = make_tiny_base(args.demos, tmp / "base", prof.base.model_dump(), 0)
+    rows = []
+    for mode in ("inline", "env_only"):
+        t0 = time.perf_counter()
+        m = train_sft(args.pairs, tmp / "base", tmp / f"sft-{mode}", prof, mode, 0, max_steps=args.sft_steps, timing=tmp / f"t-{mode}.json")
+        t = json.loads((tmp / f"t-{mode}.json").read_text())
+        rows.append((f"SFT {mode} ({m['steps']} steps x {prof.sft.batch_size} rows)", f"{t['tokens_per_s']:,.0f} tokens/s", time.perf_counter() - t0))
+    g = prof.grpo
+    t0 = time.perf_counter()
+    r = train_grpo(args.games, tmp / "sft-inline", None, tmp / "grpo", prof, RewardConfig(updates=args.grpo_steps), 0, 2, args.grpo_steps, timing=tmp / "t-grpo.json")
+    t = json.loads((tmp / "t-grpo.json").read_text())
+    rows.append((f"GRPO ({r['steps']} updates x {g.games_per_step} games x {g.rollouts} rollouts)", f"{t['episodes_per_min']:.1f} episodes/min", time.perf_counter() - t0))
+    print(f"\nTiny profile on CPU (2 cores): {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
+    print(f"{'run':<52} {'throughput':>22} {'wall s':>8}")
+    for name, thr, wall in rows:
+        print(f"{name:<52} {thr:>22} {wall:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
