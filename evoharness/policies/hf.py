@@ -53,6 +53,31 @@ def load(path: str):
         return _MODELS[path]
 
 
+_DIGESTS: dict[tuple, str] = {}
+
+
+def weights_digest(path: str | Path) -> str:
+    """Identifies a checkpoint's weights: every (sharded) safetensors file's name and size and a hash
+    of its first and last MiB, plus config.json. Cached per file state, so an episode pays nothing."""
+    p = resolve_checkpoint(path)
+    files = sorted(p.glob("*.safetensors")) + [p / "config.json"]
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
+            if not f.exists():
+                continue
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                h.update(f"{f.name}:{size}".encode())
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), 2)
+                    h.update(fh.read())
+        _DIGESTS[key] = h.hexdigest()[:16]
+    return _DIGESTS[key]
+
+
 @dataclass
 class Sample:
     text: str
@@ -98,9 +123,7 @@ class HFPolicy:
         self.calls = 0
 
     def fingerprint(self) -> str:
-        weights = Path(self.path) / "model.safetensors"
-        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12] if weights.exists() else "nohash"
-        return f"hf:v1:{digest}:{self.sample}:{self.temperature}:{self.max_new_tokens}"
+        return f"hf:v1:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
