@@ -265,12 +265,13 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False) -> list[dict
         if not lock.exists():
             raise EvoError(f"commit {commit[:12]} has no dvc.lock to reproduce")
         expected = parse_lock(lock.read_text())
+        targets = sorted(expected)  # exactly the stages that run recorded, and what they depend on
         try:
-            dvc(["pull"], work)
+            dvc(["pull", "--with-deps", *targets], work)
             echo("pulled the recorded data from the remote")
         except EvoError as e:
             echo(f"warning: {e}")
-        dvc(["repro", "--force"], work, stream=False)
+        dvc(["repro", "--force", *targets], work, stream=False)
         got = parse_lock(lock.read_text())
         rows = []
         for stage, st in expected.items():
