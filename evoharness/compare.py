@@ -42,7 +42,7 @@ def per_family(games, n: int):
 def comparison_table(results: dict) -> str:
     fams = list(FAMILIES.values())
     lines = ["| model | split | " + " | ".join(fams) + " | all | steps | " + " | ".join(META_VERBS) + " | invalid |",
-             "|---" * (len(fams) + 6 + len(META_VERBS)) + "|"]
+             "|---" * (len(fams) + 5 + len(META_VERBS)) + "|"]
     for label, splits in results.items():
         for split, s in splits.items():
             row = [f"{100 * s[f]['success']:.0f}" if f in s else "-" for f in fams]
