@@ -134,7 +134,8 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
     d = trained["dir"]
     prof = Profile(name="t", base=trained["profile"].base, grpo=GRPOSpec(games_per_step=2, rollouts=2, turns_per_rollout=3, max_new_tokens=8, max_steps_per_episode=2))
     games = {g.id: g for g in list_games(games_root, "train")}
-    a, b = sorted(games)[:2]
+    a = next(g for g in sorted(games) if games[g].family == "pick_and_place_simple")
+    b = next(g for g in sorted(games) if games[g].family == "pick_heat_then_place_in_recep")
     model = AutoModelForCausalLM.from_pretrained(d / "sft")
     tok = AutoTokenizer.from_pretrained(d / "sft")
     # The trainer's side of the rollout_func contract: its model, accelerator and step counter.
@@ -146,11 +147,10 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
         out = ro([a] * 6 + [b] * 6, trainer)
     assert len(out["prompt_ids"]) == 12 and len(out["episode_reward"]) == 12
     texts = [tok.decode(p) for p in out["prompt_ids"]]
-    objective = lambda t: t.split("OBJECTIVE")[1].split("OBSERVATION")[0]  # noqa: E731
+    objective = lambda t: t.split("OBJECTIVE : ")[1].split("OBSERVATION : ")[0]  # the field, not the system text  # noqa: E731
     # rows 0-5 are game a's group, rows 6-11 game b's: one objective per group, two different games
     assert len({objective(t) for t in texts[:6]}) == 1 and len({objective(t) for t in texts[6:]}) == 1
-    task = lambda gid: games[gid].id  # noqa: E731
-    assert task(a) != task(b)
+    assert objective(texts[0]) != objective(texts[6])  # a Pick task and a Heat task: never the same text
     # 2 rollouts x 3 rows: each row carries its own episode's reward
     curve = [json.loads(x) for x in (d / "ro-curve.jsonl").read_text().splitlines()]
     assert curve[-1]["episodes"] == 4 and len(set(out["episode_reward"][:6])) <= 2
