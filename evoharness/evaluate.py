@@ -58,8 +58,6 @@ def format_table(title: str, summary: dict) -> str:
 def _canonical_rewrite(path: Path, records: list[dict], wanted: dict) -> None:
     """Rewrite the episodes file in (game, seed) order so its hash is the same on a rerun. Records of
     other runs and lines that did not parse are kept after them, byte for byte."""
-    import json as _json
-
     keep_other = []
     if path.exists():
         with open(path) as f:
@@ -67,7 +65,7 @@ def _canonical_rewrite(path: Path, records: list[dict], wanted: dict) -> None:
                 if not line.strip():
                     continue
                 try:
-                    fp = _json.loads(line).get("fingerprint")
+                    fp = json.loads(line).get("fingerprint")
                 except (ValueError, AttributeError):
                     fp = None
                 if fp not in wanted:
@@ -75,7 +73,7 @@ def _canonical_rewrite(path: Path, records: list[dict], wanted: dict) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w") as f:
         for r in records:
-            f.write(_json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
         for line in keep_other:
             f.write(line + "\n")
     tmp.replace(path)

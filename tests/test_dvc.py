@@ -70,8 +70,10 @@ def test_repro_builds_the_pipeline_and_a_second_repro_does_nothing(repo):
     assert _ran(again) == set() and "Data and pipelines are up to date" in again
     dag = dvc(["dag", "--md"], repo)
     assert "games" in dag and "validate" in dag
-    metrics = json.loads(dvc(["metrics", "show", "--json"], repo))
-    assert metrics
+    metrics = dvc(["metrics", "show", "--json"], repo)
+    for f in ("data/metrics/games.json", "data/metrics/demos.json", "data/metrics/pairs.json", "data/metrics/validation.json"):
+        assert f in metrics, f
+    assert '"failed": 0' in json.dumps(json.loads(metrics))
 
 
 def test_changing_one_param_reruns_only_its_dependents(repo):

@@ -140,7 +140,6 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
     tok = AutoTokenizer.from_pretrained(d / "sft")
     # The trainer's side of the rollout_func contract: its model, accelerator and step counter.
     trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m), state=SimpleNamespace(global_step=0))
-    seen = []
     with EnvPool(2) as pool:
         ro = Rollouts(games, prof, Experience.seeded(), pool, tok, d / "ro", RewardConfig(), 0, d / "ro-curve.jsonl")
         (d / "ro").mkdir(exist_ok=True)

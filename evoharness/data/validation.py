@@ -182,7 +182,7 @@ def run_suites(frames: dict, suites: dict, report: Report, docs_root: Path | Non
     except Exception:
         pass
     ds = ctx.data_sources.add_or_update_pandas("evoharness")
-    vds, params = [], {}
+    vds = []
     for name, exps in suites.items():
         asset_name = f"{report.suite}_{name}"
         try:

@@ -23,7 +23,8 @@ FAMILY_RECIPES = {
 }
 
 
-def _type(name: str) -> str:
+def object_type(name: str) -> str:
+    """``cabinet 3`` -> ``cabinet``: the type behind an instance name."""
     return re.sub(r"\s*\d+$", "", name.strip())
 
 
@@ -60,7 +61,7 @@ def rule_edits(bank: Experience, evidence: list[dict]) -> list[dict]:
     for e in evidence:
         obj = e["target"].get("object", "")
         if e["won"] and e.get("found_in") and obj:
-            found[obj][_type(e["found_in"])] += 1
+            found[obj][object_type(e["found_in"])] += 1
     for obj, counts in sorted(found.items()):
         existing = next((x for x in bank.by_category("search_priorities") if x.key == obj), None)
         if existing is not None:

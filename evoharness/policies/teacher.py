@@ -13,12 +13,9 @@ import random
 import re
 
 from evoharness.episode import Privileged, TurnView, format_response
+from evoharness.harness.consolidate import object_type
 
 SEARCH_PATIENCE = 4  # fruitless receptacle visits before re-planning with track
-
-
-def _type(name: str) -> str:
-    return re.sub(r"\s*\d+$", "", name)
 
 
 def _next_subgoal(family: str, target: dict, event: str) -> str | None:
@@ -91,7 +88,7 @@ class TeacherPolicy:
             return
         if last.startswith(f"take {obj} ") and "You pick up" in obs:
             recep = last.split(" from ")[-1]
-            self._queue(verbs, "note", f"{obj} was in {_type(recep)}", f"I found the {obj} in the {recep}; worth remembering.")
+            self._queue(verbs, "note", f"{obj} was in {object_type(recep)}", f"I found the {obj} in the {recep}; worth remembering.")
             nxt = _next_subgoal(p.family, t, "took")
             if nxt:
                 self._queue(verbs, "commit", nxt, f"I have the {obj}; next I {nxt}.")

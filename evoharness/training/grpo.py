@@ -19,7 +19,7 @@ import json
 import random
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 from evoharness.alfworld.games import Game, list_games
