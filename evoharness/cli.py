@@ -195,7 +195,7 @@ def pairs(
     from evoharness.data.pairs import build_pairs
 
     p = load_params(params)
-    s = build_pairs(demos, out, p.pairs.val_fraction, p.pairs.few_shot)
+    s = build_pairs(demos, out, p.pairs.val_fraction, p.pairs.few_shot, p.pairs.imitate_detours)
     if metrics:
         _write_json(metrics, {k: s[k] for k in ("episodes", "kept", "dropped", "rows", "verb_share", "tokens")})
     if plots:

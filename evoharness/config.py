@@ -52,6 +52,7 @@ class DemosParams(_Strict):
 class PairsParams(_Strict):
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     few_shot: int = Field(0, ge=0, description="exemplars per family added to every prompt (0: none)")
+    imitate_detours: bool = Field(False, description="keep the teacher's random noise steps as SFT targets")
 
 
 class ValidateParams(_Strict):

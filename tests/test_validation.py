@@ -8,6 +8,7 @@ import math
 import pytest
 
 from evoharness.data.pairs import build_pairs
+from evoharness.policies.teacher import DETOUR_THINK
 from evoharness.data.validation import ValidationFailed, gate
 
 
@@ -43,6 +44,15 @@ def _edit(i, f):
 def test_clean_demos_and_pairs_pass(demos, tmp_path):
     s = build_pairs(demos, tmp_path / "pairs", 0.25, 0)
     assert s["kept"] + sum(s["dropped"].values()) == 12 and s["rows"]["train"] > 0
+    # The teacher's noise steps (random commands) stay in the history but are never targets.
+    import pandas as pd
+
+    rows = pd.concat([pd.read_parquet(tmp_path / "pairs" / f"{x}.parquet") for x in ("train", "val")])
+    assert s["turns_skipped"]["teacher detour"] > 0
+    assert not rows["response"].str.contains(DETOUR_THINK, regex=False).any()
+    assert rows["prompt"].str.contains("LAST ACTIONS").any()
+    s2 = build_pairs(demos, tmp_path / "pairs2", 0.25, 0, imitate_detours=True)
+    assert sum(s2["rows"].values()) == sum(s["rows"].values()) + s["turns_skipped"]["teacher detour"]
     res = gate(demos, tmp_path / "pairs", 1024, tmp_path / "report", tmp_path / "q", tmp_path / "m.json")
     assert res["trajectories"]["failed"] == 0 and res["pairs"]["failed"] == 0
     assert json.loads((tmp_path / "m.json").read_text()) == res

@@ -16,6 +16,7 @@ from evoharness.alfworld.families import FAMILIES
 from evoharness.data import tokens
 from evoharness.episode import add_examples, parse_response
 from evoharness.errors import EvoError
+from evoharness.policies.teacher import DETOUR_THINK
 from evoharness.rollout import read_jsonl
 
 COLUMNS = ["episode_id", "game_id", "family", "turn", "kind", "prompt", "response", "prompt_tokens", "response_tokens", "split"]
@@ -52,7 +53,7 @@ def exemplars(records: list[dict], k: int) -> dict[str, str]:
     return {fam: "\n".join(v) for fam, v in out.items()}
 
 
-def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_shot: int = 0) -> dict:
+def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_shot: int = 0, imitate_detours: bool = False) -> dict:
     import pandas as pd
 
     demos_path, out_dir = Path(demos_path), Path(out_dir)
@@ -64,6 +65,7 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
     out_dir.mkdir(parents=True, exist_ok=True)
     ex = exemplars(records, few_shot) if few_shot > 0 else {}
     dropped: Counter = Counter()
+    skipped: Counter = Counter()
     rows = []
     kept_eps = {"train": 0, "val": 0}
     for rec in records:
@@ -77,6 +79,9 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
         split = "val" if is_val(rec["episode_id"], val_fraction) else "train"
         kept_eps[split] += 1
         for t in rec["turns"]:
+            if not imitate_detours and t["response"].startswith(f"<think>{DETOUR_THINK}</think>"):
+                skipped["teacher detour"] += 1
+                continue
             prompt = add_examples(t["prompt"], ex.get(rec["family"], ""))
             rows.append({
                 "episode_id": rec["episode_id"], "game_id": rec["game_id"], "family": rec["family"], "turn": int(t["t"]),
@@ -93,6 +98,7 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
         "kept": sum(kept_eps.values()),
         "kept_by_split": kept_eps,
         "dropped": dict(sorted(dropped.items())),
+        "turns_skipped": dict(sorted(skipped.items())),
         "rows": {"train": int((df["split"] == "train").sum()), "val": int((df["split"] == "val").sum())},
         "verb_share": {k: round(v / max(len(df), 1), 4) for k, v in sorted(kinds.items())},
         "by_family": {FAMILIES.get(f, f): int(n) for f, n in sorted(Counter(df["family"]).items())},

@@ -78,6 +78,16 @@ def weights_digest(path: str | Path) -> str:
     return _DIGESTS[key]
 
 
+def stop_ids(tok) -> list[int]:
+    """End of turn, and ``</action>`` when the tokenizer has it as one token: nothing after the
+    action is parsed, so generating past it only costs time (and can break the one-tag format)."""
+    ids = [tok.eos_token_id]
+    end = tok.convert_tokens_to_ids("</action>")
+    if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
+        ids.append(end)
+    return ids
+
+
 @dataclass
 class Sample:
     text: str
@@ -100,7 +110,7 @@ class Sampler:
         text = render(self.tok, prompt)
         ids = self.tok(text, return_tensors="pt", add_special_tokens=False)
         kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.sample, pad_token_id=self.tok.pad_token_id,
-                      eos_token_id=self.tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+                      eos_token_id=stop_ids(self.tok), output_scores=True, return_dict_in_generate=True)
         if self.sample:
             kwargs.update(temperature=self.temperature, top_k=0, top_p=1.0)
         with self.lock, torch.no_grad():

@@ -16,6 +16,9 @@ from evoharness.episode import Privileged, TurnView, format_response
 from evoharness.harness.consolidate import object_type
 
 SEARCH_PATIENCE = 4  # fruitless receptacle visits before re-planning with track
+# The think of a noise step (a random admissible command). SFT pairs skip these turns as targets:
+# they stay in later turns' history, but the student is not taught to act at random.
+DETOUR_THINK = "I try something else here."
 
 
 def _next_subgoal(family: str, target: dict, event: str) -> str | None:
@@ -126,5 +129,5 @@ class TeacherPolicy:
         if action is None or action not in view.admissible or (self.noise and self.rng.random() < self.noise):
             action = self.rng.choice(view.admissible)
             self.detoured = True
-            return format_response("I try something else here.", action)
+            return format_response(DETOUR_THINK, action)
         return format_response(_think(action, p.target), action)
