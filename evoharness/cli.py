@@ -419,11 +419,55 @@ def _write_json(path: Path, data) -> None:
 
 
 @app.command()
-def run(params: str = PARAMS):
-    """The main job: the DVC pipeline (games, demos, pairs, validation gate, baselines), pushed to the remote."""
-    from evoharness.pipeline import main_job
+def run(
+    params: str = PARAMS,
+    pool: Optional[str] = typer.Option(None, help="work pool for SFT and GRPO (its train-stage deployment); default: in-process"),
+    repo_url: Optional[str] = typer.Option(None, help="where pool workers clone the repo (default: origin, else this folder)"),
+):
+    """The main job: the `retrain` Prefect flow end to end (data, GX gate, SFT, GRPO, evaluation,
+    promotion), tracked in MLflow; DVC reuses every stage whose inputs did not change."""
+    from evoharness.lineage import repo_root
+    from evoharness.pipeline import print_results
+    from flows.common import check_prefect
 
-    main_job(Path.cwd(), echo=typer.echo)
+    root = repo_root(Path.cwd())
+    api = check_prefect()
+    typer.echo(f"Prefect: {api or 'ephemeral mode (local database ~/.prefect, no server to keep running)'}")
+    from flows.retrain import retrain
+
+    res = retrain(root=str(root), params=params, pool=pool, repo_url=repo_url)
+    print_results(root, res, api, echo=typer.echo)
+
+
+@app.command()
+def deploy():
+    """Register prefect.yaml's deployments: work pools, the DVC concurrency limit, retrain's cron."""
+    from evoharness.lineage import repo_root
+    from flows.deploy import deploy as run_deploy
+
+    run_deploy(repo_root(Path.cwd()), echo=typer.echo)
+
+
+@app.command()
+def promotions(
+    model: Optional[str] = typer.Option(None, help="registered model name prefix (default: promotion.model_name)"),
+    params: str = PARAMS,
+    limit: int = typer.Option(20, help="newest decisions shown"),
+):
+    """Every promotion decision (newest first) with its checks' outcome and reasons."""
+    import yaml
+
+    from evoharness import promotion, tracking
+
+    raw = (yaml.safe_load(Path(params).read_text()) or {}).get("promotion", {}) if Path(params).exists() else {}
+    prefix = model or raw.get("model_name", "evoharness-agent")
+    rows = promotion.promotions(tracking.client(Path.cwd()), prefix)
+    if not rows:
+        typer.echo(f"no registered versions of {prefix}* in {tracking.tracking_uri(Path.cwd())}")
+        return
+    typer.echo(f"{'model':<32} {'ver':>4} {'decision':<9} {'seen':>6} {'unseen':>6} {'aliases':<20} reasons")
+    for r in rows[:limit]:
+        typer.echo(f"{r['model']:<32} {r['version']:>4} {r['decision']:<9} {r['seen']:>6} {r['unseen']:>6} {r['aliases']:<20} {r['reasons']}")
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
             path = Path(models) / folder
             if not (resolve_checkpoint(path) / "config.json").exists():
                 raise EvoError(f"compare: {path} is not a model checkpoint (run its stage first)")
-            cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False})})
+            cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False}),
+                                               "max_steps": profile.eval_max_steps or p.episode.max_steps})
             spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens)
             results[label] = {}
             for split in ("valid_seen", "valid_unseen"):

@@ -31,16 +31,11 @@ def baselines(params_path: str, games_root: Path, bank_path: Path, out: Path, ec
     return results
 
 
-def main_job(start: Path, echo: Callable[[str], None] = print) -> None:
-    """Set up the default remote, reproduce the DVC pipeline, push its data, print the results."""
-    from evoharness.lineage import dvc, ensure_remote, repo_root
+def print_results(root: Path, res: dict, prefect_api: str | None, echo: Callable[[str], None] = print) -> None:
+    """What the main job prints after the retrain flow: data, models, the decision, where to look."""
+    from evoharness.tracking import tracking_uri
 
-    root = repo_root(start)
-    remote = ensure_remote(root)
-    echo(f"DVC remote: {remote}")
-    dvc(["repro"], root, stream=True)
-    dvc(["push"], root)
-    echo("pushed every output to the remote; dvc.lock records their hashes")
+    root = Path(root)
     summary = json.loads((root / "data" / "baselines" / "summary.json").read_text())
     for label, s in summary.items():
         echo(format_table(label, s))
@@ -51,3 +46,16 @@ def main_job(start: Path, echo: Callable[[str], None] = print) -> None:
     if comparison.exists():
         echo("\nModels on valid_seen / valid_unseen (success % per family, calls per episode by verb):")
         echo(comparison.read_text())
+    d = res["decision"]
+    echo(f"stages run: {', '.join(res['ran']) or 'none'}; reused from DVC: {', '.join(res['cached']) or 'none'} ({res['seconds']:.0f} s)")
+    echo(f"decision: {d['model']} version {d['version']} {d['decision'].upper()}" + (" (decided before; nothing changed)" if d.get("reused") else ""))
+    for r in d["reasons"]:
+        echo(f"  - {r}")
+    for c in d.get("checks", []):
+        echo(f"  - {c}")
+    uri = tracking_uri(root)
+    echo(f"MLflow run {res['parent_run_id']}: `mlflow ui --backend-store-uri {uri}` then http://127.0.0.1:5000 (`evoharness promotions` lists decisions)")
+    if prefect_api:
+        echo(f"Prefect UI: {prefect_api.removesuffix('/api')}")
+    else:
+        echo("Prefect UI: `prefect server start` (it reads the same local database), then http://127.0.0.1:4200")

@@ -83,6 +83,7 @@ class Profile(_Strict):
     num_processes: int = Field(1, ge=1)
     deepspeed_config: str = ""
     eval_games_per_family: int = Field(10, ge=1)
+    eval_max_steps: int = Field(0, ge=0, description="step budget of model episodes in the evaluate stage (0: episode.max_steps)")
 
     @model_validator(mode="after")
     def _launch(self):

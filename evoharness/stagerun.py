@@ -1,0 +1,188 @@
+"""Run one DVC stage here, or as a job in a clean checkout of a commit (what a pool worker does),
+and bring a job's outputs back by hash. No Prefect here: flows/ and tasks/ wrap these calls.
+
+A job: clone the repo (once per repo and stage, so checkpoints survive for resume), check out the
+commit, install the orchestrator's ``dvc.lock``, pull the stage's inputs by those hashes, run the
+stage (the profile's launcher applies, e.g. ``accelerate launch``), push its outputs, and return
+the stage's new ``dvc.lock`` entry. The orchestrator merges that entry into its own lock and pulls
+the outputs it names: the hashes decide what arrives, never a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from evoharness.errors import EvoError
+from evoharness.lineage import default_remote, dvc, git, parse_lock, unlock
+
+WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
+
+
+@dataclass
+class StageResult:
+    stage: str
+    ran: bool
+    seconds: float
+    entry: dict = field(default_factory=dict)
+    where: str = "local"
+
+    def hashes(self) -> dict[str, str]:
+        return {f"{k[:-1]}:{o['path']}": o.get("md5", "") for k in ("deps", "outs") for o in self.entry.get(k, []) or []}
+
+
+def stages(root: Path) -> list[str]:
+    """The pipeline's stages in dvc.yaml order (which is a topological order)."""
+    p = Path(root) / "dvc.yaml"
+    if not p.exists():
+        raise EvoError(f"{p} does not exist: not an EvoHarness project root")
+    return list((yaml.safe_load(p.read_text()) or {}).get("stages", {}))
+
+
+def lock_entry(root: Path, stage: str) -> dict:
+    p = Path(root) / "dvc.lock"
+    if not p.exists():
+        return {}
+    return parse_lock(p.read_text()).get(stage, {})
+
+
+def merge_lock_entry(root: Path, stage: str, entry: dict) -> None:
+    p = Path(root) / "dvc.lock"
+    data = yaml.safe_load(p.read_text()) if p.exists() else None
+    data = data or {"schema": "2.0", "stages": {}}
+    data.setdefault("stages", {})
+    names = stages(root)
+    data["stages"][stage] = entry
+    data["stages"] = {k: data["stages"][k] for k in sorted(data["stages"], key=lambda s: names.index(s) if s in names else len(names))}
+    tmp = p.with_suffix(".lock.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(p)
+
+
+def clear_stale_locks(root: Path) -> list[int]:
+    """A DVC lock left by a dead process (a killed flow) blocks every later command; its holder
+    is provably gone, so the entries are dropped. Live holders are kept."""
+    return unlock(root)
+
+
+def up_to_date(root: Path) -> bool:
+    out = dvc(["status", "--json"], root)
+    try:
+        return json.loads(out or "{}") == {}
+    except ValueError:
+        return False
+
+
+def run_here(root: Path, stage: str) -> StageResult:
+    """``dvc repro --single-item <stage>``: DVC skips it when its deps, params and outs match."""
+    t0 = time.time()
+    out = dvc(["repro", "--single-item", stage], root)
+    ran = f"Running stage '{stage}'" in out
+    return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage))
+
+
+def upstream(root: Path, stage: str) -> list[str]:
+    """Stages whose outputs are this stage's deps (from the lock, else dvc.yaml)."""
+    lock = parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {})
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in spec.get(stage, {}).get("deps", [])]
+    found = []
+    for name, st in spec.items():
+        if name == stage:
+            continue
+        outs = [o if isinstance(o, str) else next(iter(o)) for o in st.get("outs", [])]
+        if any(d == o or d.startswith(o.rstrip("/") + "/") for d in deps for o in outs):
+            if name not in lock:
+                raise EvoError(f"stage {stage!r} needs {name!r}, which has no dvc.lock entry yet; run it first")
+            found.append(name)
+    return found
+
+
+def dirty_inputs(root: Path, stage: str) -> list[str]:
+    """Uncommitted git-tracked files this stage depends on (code, params.yaml, dvc.yaml)."""
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in spec.get("deps", [])]
+    status = git(["status", "--porcelain", "--", "params.yaml", "dvc.yaml", *[d for d in deps if not d.startswith("data/")]], root)
+    return [line[3:] for line in status.splitlines() if line.strip()]
+
+
+def job_spec(root: Path, stage: str, repo_url: str | None = None) -> dict:
+    """What a worker needs to run a stage: where to clone, which commit, the lock, the remote."""
+    root = Path(root)
+    dirty = dirty_inputs(root, stage)
+    if dirty:
+        raise EvoError(f"cannot dispatch stage {stage!r}: uncommitted changes in {', '.join(dirty)} (the worker runs commit HEAD); commit them first")
+    commit = git(["rev-parse", "HEAD"], root)
+    if not repo_url:
+        repo_url = git(["remote", "get-url", "origin"], root, check=False) or str(root.resolve())
+    remote = default_remote(root)
+    if remote is None:
+        raise EvoError(f"cannot dispatch stage {stage!r}: {root} has no DVC remote to hand inputs over; set one with `evoharness remote --url`")
+    url = remote[1]
+    if "://" not in url and not Path(url).is_absolute():
+        url = str((root / ".dvc" / url).resolve())  # relative remotes are relative to .dvc/
+    lock = (root / "dvc.lock").read_text() if (root / "dvc.lock").exists() else ""
+    return {"stage": stage, "repo": repo_url, "commit": commit, "lock": lock, "remote": url}
+
+
+def push_inputs(root: Path, stage: str) -> list[str]:
+    ups = upstream(root, stage)
+    if ups:
+        dvc(["push", *ups], root)
+    return ups
+
+
+def workspace(repo: str, stage: str, home: Path | None = None) -> Path:
+    key = hashlib.sha256(repo.encode()).hexdigest()[:12]
+    return Path(home or WORKER_HOME) / key / stage
+
+
+def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
+    """The worker's side: checkout, pull inputs by hash, run, push; return the new lock entry."""
+    stage, repo, commit = spec["stage"], spec["repo"], spec["commit"]
+    ws = workspace(repo, stage, home)
+    t0 = time.time()
+    if not (ws / ".git").exists():
+        ws.parent.mkdir(parents=True, exist_ok=True)
+        git(["clone", "-q", "--no-checkout", repo, str(ws)], ws.parent)
+    else:
+        git(["fetch", "-q", "origin"], ws, check=False)
+    git(["checkout", "-q", "--force", "--detach", commit], ws)
+    git(["clean", "-q", "-fdx", "-e", "data/checkpoints", "-e", ".dvc/config.local", "-e", ".dvc/cache", "-e", ".dvc/tmp"], ws)
+    echo(f"{stage}: checked out {commit[:12]} of {repo} in {ws}")
+    shared_cache = ws.parent / "dvc-cache"
+    dvc(["cache", "dir", "--local", str(shared_cache)], ws)
+    dvc(["remote", "add", "--local", "--force", "--default", "origin", spec["remote"]], ws)
+    clear_stale_locks(ws)
+    (ws / "dvc.lock").write_text(spec["lock"])
+    ups = upstream(ws, stage)
+    if ups:
+        dvc(["pull", *ups], ws)
+    echo(f"{stage}: pulled the outputs of {', '.join(ups) or 'nothing'} by hash")
+    res = run_here(ws, stage)
+    dvc(["push", stage], ws)
+    echo(f"{stage}: {'ran' if res.ran else 'was up to date'} in {res.seconds:.1f} s and pushed its outputs")
+    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where="job")
+
+
+def receive(root: Path, stage: str, entry: dict) -> dict[str, str]:
+    """Record a job's lock entry here and pull its outputs by the hashes it names; then DVC must
+    agree the stage is up to date (same commit, same inputs), else the job ran something else."""
+    if not entry.get("outs"):
+        raise EvoError(f"job for stage {stage!r} returned no outputs in its dvc.lock entry")
+    merge_lock_entry(root, stage, entry)
+    dvc(["pull", stage], root)
+    out = dvc(["status", stage, "--json"], root)
+    try:
+        changed = json.loads(out or "{}")
+    except ValueError:
+        changed = {"?": out}
+    changed = {k: v for k, v in changed.items() if k == stage or k.endswith(f":{stage}")}
+    if changed:
+        raise EvoError(f"stage {stage!r}: the job's outputs do not match this checkout ({json.dumps(changed)[:300]}); was the job run on another commit?")
+    return {o["path"]: o.get("md5", "") for o in entry["outs"]}

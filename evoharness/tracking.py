@@ -1,0 +1,180 @@
+"""MLflow owns decisions: where the tracking store is, and what a retrain logs.
+
+The default store is ``sqlite:///<project>/mlflow.db`` with artifacts in ``<project>/mlartifacts``;
+``MLFLOW_TRACKING_URI`` points anywhere else. Everything goes through an explicit
+``MlflowClient`` (no global active run), so flows and their tasks can log from any thread.
+
+What a retrain logs: one parent run, one child run per stage. Each run carries the git commit and
+the DVC hashes of its stage's inputs and outputs as tags, the stage's metrics (flattened), and
+the parent has ``dvc.lock`` and ``params.yaml`` as artifacts. Nothing from the environment is
+logged, so no secret is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterable
+
+from evoharness.errors import EvoError
+
+EXPERIMENT = "evoharness-retrain"
+DB_NAME = "mlflow.db"
+ARTIFACTS = "mlartifacts"
+# Keys that are never logged, whatever a params file or a metrics JSON holds.
+SECRET_WORDS = ("key", "token", "secret", "password", "credential")
+
+
+def tracking_uri(root: Path | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if uri:
+        return uri
+    root = Path(root or Path.cwd()).resolve()
+    return f"sqlite:///{root / DB_NAME}"
+
+
+def check_tracking(uri: str) -> None:
+    """One line naming the store when it cannot be used, before any run starts."""
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status != 200:
+                    raise EvoError(f"MLflow tracking server {uri} answered {r.status} on /health (MLFLOW_TRACKING_URI)")
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise EvoError(f"MLflow tracking server {uri} is unreachable ({reason}); start it or unset MLFLOW_TRACKING_URI to use the project's sqlite store") from None
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise EvoError(f"MLflow sqlite store {uri}: folder {folder} does not exist or is not writable")
+    elif uri.startswith("databricks") or "://" in uri:
+        return  # other schemes: MLflow's own error names them
+    else:
+        folder = Path(uri.removeprefix("file://"))
+        if folder.exists() and not folder.is_dir():
+            raise EvoError(f"MLflow file store {uri} is not a folder")
+
+
+def client(root: Path | None = None):
+    """A client on the project's store (checked first); sets the same URI for MLflow's helpers."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(root)
+    check_tracking(uri)
+    mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:///"):
+        mlflow.set_registry_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri if uri.startswith("sqlite:///") else None)
+
+
+def experiment_id(c, root: Path | None = None, name: str = EXPERIMENT) -> str:
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if c.tracking_uri.startswith("sqlite:///"):
+        location = (Path(c.tracking_uri.removeprefix("sqlite:///")).parent / ARTIFACTS).as_uri()
+    return c.create_experiment(name, artifact_location=location)
+
+
+def _secret(key: str) -> bool:
+    k = key.lower()
+    return any(w in k for w in SECRET_WORDS)
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(d, list) and all(not isinstance(x, (dict, list)) for x in d):
+        out[prefix] = ",".join(str(x) for x in d)
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            out.update(flatten(v, f"{prefix}.{i}"))
+    else:
+        out[prefix] = d
+    return {k: v for k, v in out.items() if not _secret(k)}
+
+
+def numeric(d: dict) -> dict[str, float]:
+    """The finite numbers of a flattened dict (MLflow metric names allow / . - _ and spaces)."""
+    out = {}
+    for k, v in flatten(d).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(v):
+            out[k.replace(":", "_")] = float(v)
+    return out
+
+
+def log_metrics(c, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    from mlflow.entities import Metric
+    import time
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, v, now, step) for k, v in metrics.items()]
+    for i in range(0, len(items), 500):
+        c.log_batch(run_id, metrics=items[i : i + 500])
+
+
+def log_params(c, run_id: str, params: dict) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+    for i in range(0, len(items), 100):
+        c.log_batch(run_id, params=items[i : i + 100])
+
+
+def set_tags(c, run_id: str, tags: dict[str, Any]) -> None:
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k, str(v)) for k, v in tags.items() if not _secret(k)]
+    for i in range(0, len(items), 100):
+        c.log_batch(run_id, tags=items[i : i + 100])
+
+
+def stage_hash_tags(stage: dict) -> dict[str, str]:
+    """``dvc.dep.<path>`` / ``dvc.out.<path>`` → md5, from one stage's dvc.lock entry."""
+    tags = {}
+    for kind in ("deps", "outs"):
+        for o in stage.get(kind, []) or []:
+            if o.get("md5"):
+                tags[f"dvc.{kind[:-1]}.{o['path']}"] = o["md5"]
+    return tags
+
+
+def curve_rows(path: Path) -> Iterable[dict]:
+    if not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def eval_metrics(results: dict) -> dict[str, float]:
+    """The evaluate stage's per-model summaries → ``<model>.<split>.<family|all>.<field>``."""
+    out: dict[str, float] = {}
+    for label, splits in results.items():
+        for split, s in splits.items():
+            for fam, v in s.items():
+                if not isinstance(v, dict):
+                    continue
+                out[f"{label}.{split}.{fam}.success"] = float(v.get("success", 0.0))
+                if fam == "all":
+                    out[f"{label}.{split}.steps"] = float(v.get("steps", 0.0))
+                    out[f"{label}.{split}.invalid_rate"] = float(v.get("invalid_rate", 0.0))
+                    for verb, n in (v.get("calls") or {}).items():
+                        out[f"{label}.{split}.calls.{verb}"] = float(n)
+    return out

@@ -1,0 +1,90 @@
+"""``retrain``: the end-to-end flow. Data stages, the validation gate, SFT, GRPO, evaluation and the
+promotion gate, each a visible task with an artifact; MLflow gets a parent run and a child per
+stage. DVC decides what actually runs, so a rerun (after a kill, or with nothing changed) redoes
+nothing that finished. With ``pool`` set, SFT and GRPO go to that work pool's stage deployment.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from evoharness import stagerun
+from evoharness.errors import EvoError
+from tasks import stages as st
+from tasks import tracking as tr
+
+DISPATCHED = ("sft_inline", "sft_env_only", "grpo")  # what runs on a pool when one is given
+GATE = "validate"
+
+
+def preflight(root: Path, params_path: str) -> str:
+    """Everything that can be checked before an hour of work: the params and profile, the DVC
+    remote and lock, the MLflow store. Each failure is one line."""
+    from evoharness import promotion, tracking
+    from evoharness.config import load_params
+    from evoharness.lineage import check_remote, ensure_remote
+    from evoharness.training.profiles import load_profile
+
+    if not (root / "dvc.yaml").exists():
+        raise EvoError(f"{root} has no dvc.yaml: run retrain from the project root (or pass root=)")
+    p = load_params(str(root / params_path))
+    load_profile(p.profile, root / params_path)
+    promotion.load_promotion(root / params_path, p.profile)
+    ensure_remote(root)
+    check_remote(root)
+    stagerun.clear_stale_locks(root)
+    tracking.check_tracking(tracking.tracking_uri(root))
+    return p.profile
+
+
+@flow(name="retrain", log_prints=True)
+def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = None, repo_url: str | None = None,
+            deployment: str | None = None, poll_s: float = 5.0) -> dict:
+    """Retrain end to end. pool: a work pool whose ``train-stage`` deployment runs SFT and GRPO
+    (``deployment`` overrides its name); none runs every stage in this process."""
+    log = get_run_logger()
+    rootp = Path(root).resolve()
+    profile = preflight(rootp, params)
+    st.ensure_limit(rootp)
+    names = stagerun.stages(rootp)
+    t0 = time.time()
+    parent = tr.start_parent(str(rootp), params, profile, pool, str(flow_run.id) if flow_run.id else None)
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    from evoharness.tracking import tracking_uri
+
+    monitor = SystemMetricsMonitor(parent, sampling_interval=10, tracking_uri=tracking_uri(rootp))
+    monitor.start()
+    summary: dict = {}
+    try:
+        all_cached = st.pipeline_up_to_date(str(rootp))
+        ran, cached = [], []
+        for stage in names:
+            if all_cached:
+                res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
+            elif stage == GATE:
+                res = st.validate_stage(str(rootp), stage)
+            elif pool and stage in DISPATCHED:
+                res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", repo_url, poll_s)
+            else:
+                res = st.run_stage(str(rootp), stage)
+            (ran if res.ran else cached).append(stage)
+            log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
+            st.publish(res, tr.read_metrics(rootp, stage))
+            tr.log_stage(str(rootp), parent, res)
+        if ran:
+            st.push_all(str(rootp))
+        decision = tr.promote(str(rootp), parent, params, profile)
+        summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
+                   "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
+        tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
+        return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1)}
+    except BaseException as e:
+        tr.fail_parent(str(rootp), parent, f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        monitor.finish()

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over evoharness library calls (retries, concurrency, artifacts)."""

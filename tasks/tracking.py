@@ -1,0 +1,137 @@
+"""Prefect tasks that log a retrain to MLflow: a parent run, a child run per stage, the gate."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import yaml
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from evoharness import stagerun, tracking
+from evoharness.lineage import git
+
+# Stage → its metrics JSON (the DVC metrics file) and, for GRPO, the per-update curve.
+METRICS = {
+    "games": "data/metrics/games.json", "demos": "data/metrics/demos.json", "pairs": "data/metrics/pairs.json",
+    "validate": "data/metrics/validation.json", "baselines": "data/metrics/baselines.json",
+    "sft_inline": "data/metrics/sft-inline.json", "sft_env_only": "data/metrics/sft-env_only.json",
+    "grpo": "data/metrics/grpo.json", "evaluate": "data/metrics/eval.json",
+}
+CURVE = "data/plots/grpo_curve.jsonl"
+
+
+def read_metrics(root: Path, stage: str) -> dict:
+    p = Path(root) / METRICS.get(stage, "-")
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def git_state(root: Path) -> dict[str, str]:
+    commit = git(["rev-parse", "HEAD"], root, check=False) or "none"
+    dirty = bool(git(["status", "--porcelain", "--untracked-files=no"], root, check=False))
+    return {"git_commit": commit, "git_dirty": str(dirty).lower()}
+
+
+@task(name="mlflow-start-retrain", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+def start_parent(root: str, params_path: str, profile: str, pool: str | None, flow_run_id: str | None) -> str:
+    c = tracking.client(Path(root))
+    exp = tracking.experiment_id(c, Path(root))
+    tags = {**git_state(Path(root)), "profile": profile, "pool": pool or "in-process", "kind": "retrain",
+            "prefect.flow_run_id": flow_run_id or "none", "host": platform.node()}
+    run = c.create_run(exp, run_name=f"retrain-{profile}", tags=tags)
+    params = yaml.safe_load(Path(root, params_path).read_text()) or {}
+    prof = (params.get("profiles") or {}).get(profile, {})
+    flat = {k: v for k, v in params.items() if k not in ("profiles", "promotion")}
+    tracking.log_params(c, run.info.run_id, {**flat, "profile_spec": prof})
+    return run.info.run_id
+
+
+@task(name="mlflow-log-stage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
+    """A child run for one stage: hashes of its inputs and outputs as tags, its metrics, its time."""
+    c = tracking.client(Path(root))
+    parent = c.get_run(parent_id)
+    tags = {"mlflow.parentRunId": parent_id, "stage": res.stage, "cached": str(not res.ran).lower(), "where": res.where,
+            "git_commit": parent.data.tags.get("git_commit", "none"), **tracking.stage_hash_tags(res.entry)}
+    run = c.create_run(parent.info.experiment_id, run_name=res.stage, tags=tags)
+    rid = run.info.run_id
+    metrics = read_metrics(Path(root), res.stage)
+    if res.stage == "evaluate":
+        results = {}
+        evald = Path(root) / "data" / "eval"
+        for f in sorted(evald.glob("*/results.json")) if evald.exists() else []:
+            results[f.parent.name] = json.loads(f.read_text())
+        num = tracking.eval_metrics(results)
+        if (evald / "comparison.md").exists():
+            c.log_artifact(rid, str(evald / "comparison.md"))
+    else:
+        num = tracking.numeric(metrics)
+    num["stage_seconds"] = res.seconds
+    tracking.log_metrics(c, rid, num)
+    if res.stage == "grpo":
+        for row in tracking.curve_rows(Path(root) / CURVE):
+            step = int(row.get("update", 0))
+            tracking.log_metrics(c, rid, {f"curve.{k}": v for k, v in tracking.numeric(row).items() if k != "update"}, step=step)
+    if res.entry:
+        c.log_dict(rid, res.entry, "dvc_lock_entry.yaml")
+    c.set_terminated(rid, "FINISHED")
+    return rid
+
+
+@task(name="mlflow-finish-retrain", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+def finish_parent(root: str, parent_id: str, params_path: str, status: str, summary: dict) -> None:
+    c = tracking.client(Path(root))
+    rootp = Path(root)
+    lock = rootp / "dvc.lock"
+    if lock.exists():
+        c.log_artifact(parent_id, str(lock))
+        for name, st in stagerun.parse_lock(lock.read_text()).items():
+            for k, v in tracking.stage_hash_tags(st).items():
+                if k.startswith("dvc.out."):
+                    c.set_tag(parent_id, k, v)
+    if (rootp / params_path).exists():
+        c.log_artifact(parent_id, str(rootp / params_path))
+    for k, v in summary.items():
+        c.set_tag(parent_id, k, v)
+    c.set_terminated(parent_id, status)
+
+
+def fail_parent(root: str, parent_id: str, error: str) -> None:
+    try:
+        c = tracking.client(Path(root))
+        c.set_tag(parent_id, "error", error[:4000])
+        c.set_terminated(parent_id, "FAILED")
+    except Exception:  # the flow is failing already; its own error is the one to show
+        pass
+
+
+@task(name="promotion-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=3)
+def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
+    from evoharness import promotion
+
+    rootp = Path(root)
+    pp, thresholds = promotion.load_promotion(rootp / params_path, profile)
+    c = tracking.client(rootp)
+    name = promotion.registered_name(pp, profile)
+    results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
+    grpo = stagerun.lock_entry(rootp, "grpo")
+    md5 = next((o["md5"] for o in grpo.get("outs", []) if o["path"] == "data/models/grpo"), "")
+    parent = c.get_run(parent_id)
+    run = c.create_run(parent.info.experiment_id, run_name="promote",
+                       tags={"mlflow.parentRunId": parent_id, "stage": "promote", "git_commit": parent.data.tags.get("git_commit", "none"),
+                             "dvc.dep.data/models/grpo": md5})
+    report_dir = rootp / "reports" / "promotion" / md5[:12]
+    d = promotion.gate(c, name, run.info.run_id, rootp / "data" / "models" / "grpo", md5, results, thresholds,
+                       list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True))
+    c.set_terminated(run.info.run_id, "FINISHED")
+    md_path = report_dir / "promotion.md"
+    md = md_path.read_text() if md_path.exists() else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)
+    create_markdown_artifact(key="promotion-decision", markdown=md, description=f"{name} v{d.version}: {d.word}")
+    return {"model": name, "version": d.version, "decision": d.word, "reasons": d.reasons, "reused": d.reused,
+            "checks": [c_.line() for c_ in d.checks]}

@@ -1,0 +1,54 @@
+"""A copy of the project in a temp folder as its own git + DVC repo with a local remote, and a micro
+parameter set that runs every stage of the pipeline on 2 cores in a few minutes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from evoharness.lineage import dvc, ensure_remote, git
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MICRO_MODEL = {"kind": "tiny", "hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "max_length": 1024}
+MICRO = {
+    "seed": 3,
+    "profile": "tiny-cpu",
+    "workers": 2,
+    "games": {"per_family": {"train": 1, "valid_seen": 1, "valid_unseen": 1}, "max_per_type": 3, "distractors": 2},
+    "episode": {"max_steps": 40},
+    "demos": {"n": 6, "noise": 0.2, "batch_size": 6},
+    "pairs": {"val_fraction": 0.2, "few_shot": 0},
+    "validate": {"max_tokens": 1024},
+    "eval": {"seeds": [0], "baselines": ["teacher"]},
+    "profiles": {"tiny-cpu": {
+        "base": MICRO_MODEL,
+        "sft": {"batch_size": 8, "max_steps": 3, "save_steps": 1, "eval_steps": 3, "max_length": 1024},
+        "grpo": {"games_per_step": 2, "rollouts": 2, "turns_per_rollout": 2, "steps": 1, "learning_rate": 0.0005,
+                 "max_new_tokens": 16, "max_steps_per_episode": 3, "save_steps": 1},
+        "eval_games_per_family": 1,
+        "eval_max_steps": 6,
+    }},
+    "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05}}},
+}
+
+
+def make_project(base: Path, params: dict | None = None, remote: Path | None = None) -> Path:
+    repo = Path(base) / "repo"
+    repo.mkdir(parents=True)
+    for d in ("evoharness", "flows", "tasks", "configs"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml"):
+        shutil.copy(ROOT / f, repo / f)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params or MICRO, sort_keys=False))
+    git(["init", "-q", "-b", "main"], repo)
+    git(["config", "user.email", "t@example.com"], repo)
+    git(["config", "user.name", "t"], repo)
+    dvc(["init", "-q"], repo)
+    dvc(["config", "core.autostage", "true"], repo)
+    ensure_remote(repo, str(remote or (Path(base) / "remote")))
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "pipeline"], repo)
+    return repo
