@@ -217,7 +217,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, summary: di
         v = max(existing, key=lambda m: int(m.version))
         tags = v.tags
         return Decision(promoted=tags.get("decision") == "promoted", checks=[], reasons=[tags.get("decision.reasons", "")],
-                        champion_version=tags.get("decision.champion_before"), version=v.version, reused=True)
+                        champion_version=tags.get("decision.champion_before"), version=str(v.version), reused=True)
 
     try:
         champ = c.get_model_version_by_alias(name, "champion")
@@ -225,7 +225,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, summary: di
         champ = None
     champ_summary = summary_from_tags(champ.tags) if champ is not None else None
     decision = decide(split_success(summary), split_success(champ_summary) if champ_summary else None, t)
-    decision.champion_version = champ.version if champ is not None else None
+    decision.champion_version = str(champ.version) if champ is not None else None
 
     model_dir = Path(model_dir)
     files = [f for f in sorted(model_dir.rglob("*")) if f.is_file()]
@@ -237,7 +237,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, summary: di
     source = f"{c.get_run(run_id).info.artifact_uri}/model"
     mv = c.create_model_version(name, source=source, run_id=run_id, tags={"dvc_md5": model_md5, "weights_in_mlflow": str(log_weights).lower()},
                                 description=f"GRPO model, DVC md5 {model_md5}")
-    decision.version = mv.version
+    decision.version = str(mv.version)
     c.set_registered_model_alias(name, "challenger", mv.version)
     for k, v in version_tags(decision, summary).items():
         c.set_model_version_tag(name, mv.version, k, v)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class StageResult:
     seconds: float
     entry: dict = field(default_factory=dict)
     where: str = "local"
+    files: dict = field(default_factory=dict)  # a job's small uncached outputs (metrics), by path
 
     def hashes(self) -> dict[str, str]:
         return {f"{k[:-1]}:{o['path']}": o.get("md5", "") for k in ("deps", "outs") for o in self.entry.get(k, []) or []}
@@ -103,6 +105,32 @@ def upstream(root: Path, stage: str) -> list[str]:
     return found
 
 
+def uncached_outs(root: Path, stage: str) -> dict[str, bool]:
+    """Outputs DVC does not cache (so not on the remote): path -> persisted (checkpoints)."""
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    found = {}
+    for kind in ("outs", "metrics", "plots"):
+        for o in spec.get(kind, []) or []:
+            if isinstance(o, dict):
+                path, opts = next(iter(o.items()))
+                if opts and opts.get("cache") is False:
+                    found[path] = bool(opts.get("persist"))
+    return found
+
+
+SMALL = 1 << 20
+
+
+def small_files(root: Path, stage: str) -> dict[str, str]:
+    """A job's uncached, unpersisted outputs (metrics, plots) travel with its result."""
+    out = {}
+    for path, persisted in uncached_outs(root, stage).items():
+        f = Path(root) / path
+        if not persisted and f.is_file() and f.stat().st_size <= SMALL:
+            out[path] = f.read_text()
+    return out
+
+
 def dirty_inputs(root: Path, stage: str) -> list[str]:
     """Uncommitted git-tracked files this stage depends on (code, params.yaml, dvc.yaml)."""
     spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
@@ -139,7 +167,7 @@ def push_inputs(root: Path, stage: str) -> list[str]:
 
 def workspace(repo: str, stage: str, home: Path | None = None) -> Path:
     key = hashlib.sha256(repo.encode()).hexdigest()[:12]
-    return Path(home or WORKER_HOME) / key / stage
+    return Path(home or os.environ.get("EVOHARNESS_WORKER_HOME") or WORKER_HOME) / key / stage
 
 
 def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
@@ -167,14 +195,21 @@ def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
     res = run_here(ws, stage)
     dvc(["push", stage], ws)
     echo(f"{stage}: {'ran' if res.ran else 'was up to date'} in {res.seconds:.1f} s and pushed its outputs")
-    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where="job")
+    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where="job", files=small_files(ws, stage))
 
 
-def receive(root: Path, stage: str, entry: dict) -> dict[str, str]:
+def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:
     """Record a job's lock entry here and pull its outputs by the hashes it names; then DVC must
-    agree the stage is up to date (same commit, same inputs), else the job ran something else."""
+    agree the stage is up to date (same commit, same inputs), else the job ran something else.
+    Persisted uncached outputs (checkpoints) stay with the worker, for its next resume."""
     if not entry.get("outs"):
         raise EvoError(f"job for stage {stage!r} returned no outputs in its dvc.lock entry")
+    uncached = uncached_outs(root, stage)
+    for path, text in (files or {}).items():
+        if path not in uncached or uncached[path]:
+            raise EvoError(f"job for stage {stage!r} sent {path!r}, which is not one of its uncached outputs")
+        (Path(root) / path).parent.mkdir(parents=True, exist_ok=True)
+        (Path(root) / path).write_text(text)
     merge_lock_entry(root, stage, entry)
     dvc(["pull", stage], root)
     out = dvc(["status", stage, "--json"], root)
@@ -183,6 +218,20 @@ def receive(root: Path, stage: str, entry: dict) -> dict[str, str]:
     except ValueError:
         changed = {"?": out}
     changed = {k: v for k, v in changed.items() if k == stage or k.endswith(f":{stage}")}
+    kept = {p for p, persisted in uncached.items() if persisted}
+    for k, items in list(changed.items()):
+        rest = []
+        for item in items if isinstance(items, list) else [items]:
+            if isinstance(item, dict) and "changed outs" in item:
+                outs = {p: v for p, v in item["changed outs"].items() if p not in kept}
+                if outs:
+                    rest.append({"changed outs": outs})
+            else:
+                rest.append(item)
+        if rest:
+            changed[k] = rest
+        else:
+            del changed[k]
     if changed:
         raise EvoError(f"stage {stage!r}: the job's outputs do not match this checkout ({json.dumps(changed)[:300]}); was the job run on another commit?")
     return {o["path"]: o.get("md5", "") for o in entry["outs"]}

@@ -110,7 +110,7 @@ def push_inputs(root: str, stage: str) -> list[str]:
 
 
 def job_markdown(res: stagerun.StageResult) -> str:
-    doc = {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "entry": res.entry}
+    doc = {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "entry": res.entry, "files": res.files}
     table = "\n".join(f"| `{k}` | `{v}` |" for k, v in res.hashes().items() if k.startswith("out:"))
     return (f"### {res.stage}: {'ran' if res.ran else 'up to date'} in {res.seconds:.1f} s; outputs pushed\n\n| output | md5 |\n|---|---|\n{table}\n\n"
             f"The stage's dvc.lock entry (the orchestrator merges it and pulls by these hashes):\n\n```yaml\n{yaml.safe_dump(doc, sort_keys=False)}```\n")
@@ -156,7 +156,7 @@ def dispatch_stage(root: str, stage: str, deployment: str, repo_url: str | None 
         raise EvoError(f"stage {stage!r}: the job on {deployment} failed three times (last flow run {fr.id}, state {fr.state.name if fr.state else '?'}); see its logs in the Prefect UI")
     job = _job_result(fr.id)
     with dvc_slot(root_p):
-        outs = stagerun.receive(root_p, stage, job["entry"])
+        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
     log.info(f"{stage}: received {outs} from job {fr.id}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool job {fr.id}")
 

@@ -171,12 +171,17 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
+    from evoharness.policies.hf import weights_digest
+    from evoharness.training.sft import file_digest, keyed_checkpoints
+
     curve = Path(curve) if curve else out_dir.parent / f"{out_dir.name}-curve.jsonl"
     curve.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, profile.sft.threads))
     games = {x.id: x for x in list_games(games_root, "train") if not x.error}
     if not games:
         raise EvoError(f"grpo: no training games under {games_root}")
+    ckpts = keyed_checkpoints(ckpts, grpo=g.model_dump(exclude={"steps"}), sft=weights_digest(sft_dir), seed=seed, reward=reward,
+                              bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games))
     n_steps = steps if steps is not None else g.steps
     rng = random.Random(seed)
     ids = sorted(games)

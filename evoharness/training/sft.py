@@ -3,8 +3,10 @@ checkpoints, resume after a kill, metrics to a JSON the DVC stage declares."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -35,6 +37,39 @@ def to_dataset(df, tok):
     })
 
 
+def file_digest(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        p = Path(p)
+        h.update(p.name.encode())
+        if p.is_file():
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+KEEP_CONFIGS = 2
+
+
+def keyed_checkpoints(ckpts: Path, **parts) -> Path:
+    """The checkpoint folder of one configuration (inputs and settings, not the step budget):
+    a killed run resumes from it, while changed inputs or settings start afresh instead of
+    resuming someone else's state. The two most recent configurations are kept."""
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    ckpts = Path(ckpts)
+    ckpts.mkdir(parents=True, exist_ok=True)
+    here = ckpts / key
+    here.mkdir(exist_ok=True)
+    (here / "config-key.json").write_text(json.dumps(parts, sort_keys=True, default=str, indent=1))
+    os.utime(here)
+    others = sorted((d for d in ckpts.iterdir() if d.is_dir() and d != here and (d / "config-key.json").exists()),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in others[KEEP_CONFIGS - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
+    return here
+
+
 def last_checkpoint(ckpt_dir: Path) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -59,6 +94,10 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     torch.set_num_threads(max(1, s.threads))
     out_dir = Path(out_dir)
     ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
+    from evoharness.policies.hf import weights_digest
+
+    ckpts = keyed_checkpoints(ckpts, sft=s.model_dump(), base=weights_digest(base_dir), mode=mode, seed=seed,
+                              pairs=file_digest(Path(pairs_dir) / "train.parquet", Path(pairs_dir) / "val.parquet"))
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if s.bf16 else torch.float32)
     train_df, val_df = load_rows(Path(pairs_dir), mode)
