@@ -432,6 +432,10 @@ def run(
 
     root = repo_root(Path.cwd())
     api = check_prefect()
+    if api is None:  # ephemeral mode: Prefect starts a local server for this run; it can take a while on 2 cores
+        import os
+
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     typer.echo(f"Prefect: {api or 'ephemeral mode (local database ~/.prefect, no server to keep running)'}")
     from flows.retrain import retrain
 
