@@ -426,17 +426,20 @@ def run(
 ):
     """The main job: the `retrain` Prefect flow end to end (data, GX gate, SFT, GRPO, evaluation,
     promotion), tracked in MLflow; DVC reuses every stage whose inputs did not change."""
+    import os
+
+    # Ephemeral mode starts a local server (migrating a fresh database first): on 2 busy cores that
+    # can take longer than Prefect's 20 s default. Set before Prefect reads its settings.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no internet here; its failures are noise
     from evoharness.lineage import repo_root
     from evoharness.pipeline import print_results
     from flows.common import check_prefect
 
     root = repo_root(Path.cwd())
     api = check_prefect()
-    if api is None:  # ephemeral mode: Prefect starts a local server for this run; it can take a while on 2 cores
-        import os
-
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    typer.echo(f"Prefect: {api or 'ephemeral mode (local database ~/.prefect, no server to keep running)'}")
+    home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    typer.echo(f"Prefect: {api or f'ephemeral mode (a local server for this run, database in {home})'}")
     from flows.retrain import retrain
 
     res = retrain(root=str(root), params=params, pool=pool, repo_url=repo_url)
