@@ -74,7 +74,7 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                 res = st.run_stage(str(rootp), stage)
             (ran if res.ran else cached).append(stage)
             log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
-            st.publish(res, tr.read_metrics(rootp, stage))
+            st.publish(res, tr.read_metrics(rootp, stage), str(rootp))
             tr.log_stage(str(rootp), parent, res)
         if ran:
             st.push_all(str(rootp))

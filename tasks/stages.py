@@ -173,5 +173,16 @@ def pipeline_up_to_date(root: str) -> bool:
         return stagerun.up_to_date(Path(root))
 
 
-def publish(res: stagerun.StageResult, metrics: dict | None) -> None:
-    create_markdown_artifact(key=artifact_key(res.stage), markdown=stage_markdown(res, metrics), description=f"DVC stage {res.stage}")
+def publish(res: stagerun.StageResult, metrics: dict | None, root: str | None = None) -> None:
+    md = stage_markdown(res, metrics)
+    if root is not None:
+        comparison = Path(root) / "data" / "eval" / "comparison.md"
+        baselines = Path(root) / "data" / "baselines" / "summary.json"
+        if res.stage == "evaluate" and comparison.exists():
+            md = "Per-family success (%) on valid_seen / valid_unseen, calls per episode by verb:\n\n" + comparison.read_text() + "\n" + md
+        elif res.stage == "baselines" and baselines.exists():
+            from evoharness.evaluate import format_table
+
+            tables = "\n".join(format_table(label, s_) for label, s_ in json.loads(baselines.read_text()).items())
+            md = f"```\n{tables}\n```\n\n" + md
+    create_markdown_artifact(key=artifact_key(res.stage), markdown=md, description=f"DVC stage {res.stage}")

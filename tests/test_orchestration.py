@@ -174,3 +174,32 @@ def test_an_unreachable_prefect_server_is_one_line(project):
         r = _cli(project, *args, env=env, timeout=120)
         assert r.returncode == 2, r.stderr[-2000:]
         assert r.stderr.strip().splitlines()[-1].startswith("error: Prefect server http://127.0.0.1:9/api is unreachable")
+
+
+def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server, project):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from evoharness import tracking
+
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    p["validate"]["max_tokens"] = 64  # every SFT pair is now too long for the profile: the gate must stop the flow
+    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    r = _cli(project, "run")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: dvc repro --single-item validate failed") and "validation failed" in last and "quarantine" in last
+    quarantined = sorted((project / "data" / "quarantine").iterdir())
+    assert quarantined and any((q / "train.parquet").exists() for q in quarantined)  # moved, with the report, not lost
+    assert "stages run" not in r.stdout  # nothing after the gate ran
+    with get_client(sync_client=True) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation-report"])))
+    assert arts and "expect_column_values_to_be_between" in str(arts[0].data)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking.tracking_uri(project)
+    try:
+        c = tracking.client(project)
+        exp = c.get_experiment_by_name(tracking.EXPERIMENT)
+        failed = c.search_runs([exp.experiment_id], "tags.kind = 'retrain' and attributes.status = 'FAILED'")
+        assert failed and "validation failed" in failed[0].data.tags["error"]
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)

@@ -97,19 +97,23 @@ def test_group_blocks():
     assert group_blocks(["a"] * 8, 4) == ["a", "a"]  # the same game drawn twice: two groups
 
 
-def test_micro_grpo_step_with_the_real_trainer(trained, games_root, tmp_path):
+def test_micro_grpo_step_with_the_real_trainer(trained, games_root, tmp_path, capfd):
     from evoharness.harness.experience import Experience
+    from evoharness.policies.hf import vllm_installed
     from evoharness.reward import RewardConfig
     from evoharness.training.grpo import train_grpo
     from evoharness.training.profiles import GRPOSpec, Profile
 
     prof = Profile(name="t", base=trained["profile"].base, sft=trained["profile"].sft,
-                   grpo=GRPOSpec(games_per_step=1, rollouts=2, turns_per_rollout=2, steps=1, max_new_tokens=12, max_steps_per_episode=3, learning_rate=1e-3))
+                   grpo=GRPOSpec(games_per_step=1, rollouts=2, turns_per_rollout=2, steps=1, max_new_tokens=12, max_steps_per_episode=3, learning_rate=1e-3,
+                                 use_vllm=True))  # the GPU profile's setting: without vllm installed, rollouts use transformers
     bank = tmp_path / "bank.json"
     Experience.seeded().save(bank)
     r = train_grpo(games_root, trained["dir"] / "sft", bank, tmp_path / "grpo", prof, RewardConfig(updates=1), seed=0, workers=2, steps=1,
                    curve=tmp_path / "curve.jsonl", timing=tmp_path / "timing.json")
     assert r["steps"] == 1 and r["episodes"] == 2
+    if not vllm_installed():
+        assert "vllm is not installed: rollouts generate with transformers" in capfd.readouterr().out
     curve = [json.loads(x) for x in (tmp_path / "curve.jsonl").read_text().splitlines()]
     assert len(curve) == 1 and set(curve[0]["reward"]) == {"success", "efficiency", "diversity", "repeats", "invalid", "total"}
     assert set(curve[0]["calls_per_episode"]) == {"track", "commit", "recall", "note"} and curve[0]["diversity_weight"] == 1.0

@@ -123,6 +123,35 @@ class Sampler:
         return Sample(self.tok.decode(comp, skip_special_tokens=True), ids["input_ids"][0].tolist(), comp, logps)
 
 
+class VLLMServerSampler:
+    """The same interface as ``Sampler``, generating on TRL's vLLM server (``trl vllm-serve``), whose
+    weights the trainer syncs before each batch of rollouts. Same rendering, same stop tokens."""
+
+    def __init__(self, client, tok, temperature: float, max_new_tokens: int, lock: threading.Lock | None = None):
+        self.client, self.tok = client, tok
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.lock = lock or threading.Lock()
+
+    def __call__(self, prompt: str, seed: int | None = None) -> Sample:
+        text = render(self.tok, prompt)
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        kwargs = {"stop_token_ids": stop_ids(self.tok)}
+        if seed is not None:
+            kwargs["seed"] = int(seed)
+        with self.lock:
+            out = self.client.generate(prompts=[ids], n=1, temperature=self.temperature, max_tokens=self.max_new_tokens, logprobs=0,
+                                       generation_kwargs=kwargs)
+        comp = list(out["completion_ids"][0])
+        logps = [float(lp[0]) if isinstance(lp, (list, tuple)) else float(lp) for lp in out["logprobs"][0]]
+        return Sample(self.tok.decode(comp, skip_special_tokens=True), list(ids), comp, logps)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 class HFPolicy:
     def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96):
         if not path:

@@ -85,7 +85,12 @@ class Rollouts:
         model = trainer.accelerator.unwrap_model(trainer.model)
         was_training = model.training
         model.eval()
-        sampler = Sampler(model, self.tok, True, g.temperature, g.max_new_tokens, self.lock)
+        if getattr(trainer, "use_vllm", False):
+            from evoharness.policies.hf import VLLMServerSampler
+
+            sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, self.tok, g.temperature, g.max_new_tokens, self.lock)
+        else:
+            sampler = Sampler(model, self.tok, True, g.temperature, g.max_new_tokens, self.lock)
         u = int(trainer.state.global_step)
         cfg = EpisodeConfig(max_steps=g.max_steps_per_episode, harness=HarnessConfig(mode="inline", charge_meta_actions=g.charge_meta_actions),
                             reward=self.reward, update=u)
@@ -190,6 +195,11 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.bfloat16 if g.bf16 else torch.float32)
     bank = Experience.load_or_seed(bank_path)
     n_gen = g.rollouts * g.turns_per_rollout
+    from evoharness.policies.hf import vllm_installed
+
+    use_vllm = g.use_vllm and vllm_installed()
+    if g.use_vllm and not use_vllm:
+        print("grpo: use_vllm is set but vllm is not installed: rollouts generate with transformers", flush=True)
     cfg = GRPOConfig(
         output_dir=str(ckpts),
         num_generations=n_gen,
@@ -209,7 +219,8 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         seed=seed,
         bf16=g.bf16,
         gradient_checkpointing=g.gradient_checkpointing,
-        use_vllm=g.use_vllm,
+        use_vllm=use_vllm,
+        vllm_mode=g.vllm_mode,
         use_cpu=not torch.cuda.is_available(),
         shuffle_dataset=False,
         disable_tqdm=True,

@@ -68,7 +68,9 @@ class GRPOSpec(_Strict):
     max_new_tokens: int = Field(512, ge=8)
     max_steps_per_episode: int = Field(70, ge=1)
     charge_meta_actions: bool = True
-    use_vllm: bool = False
+    use_vllm: bool = Field(False, description="generate rollouts with a vLLM server (`trl vllm-serve`) when vllm is installed")
+    vllm_mode: Literal["server"] = Field("server", description="episodes call the generator turn by turn from worker threads, so a "
+                                         "server (HTTP, no collectives); colocate's gathered generate would deadlock across ranks")
     bf16: bool = False
     gradient_checkpointing: bool = False
     save_steps: int = Field(25, ge=1)
