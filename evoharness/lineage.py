@@ -230,22 +230,24 @@ def find_commit(ref: str, root: Path) -> tuple[str, str]:
                     return commit, f"{o.path} (stage {o.stage}) has md5 {o.md5}"
     if r.returncode == 0:
         return r.stdout.strip(), "git commit"
-    run_commit = _mlflow_commit(ref)
+    run_commit = _mlflow_commit(ref, root)
     if run_commit:
         return run_commit, f"MLflow run {ref}"
     raise EvoError(f"{ref!r} is neither a git commit, nor an output hash in any committed dvc.lock, nor a known MLflow run id")
 
 
-def _mlflow_commit(run_id: str) -> str | None:
-    if not os.environ.get("MLFLOW_TRACKING_URI") and not Path("mlruns.db").exists():
+def _mlflow_commit(run_id: str, root: Path) -> str | None:
+    """The git commit a retrain's MLflow run was tagged with, in the project's tracking store."""
+    from evoharness import tracking
+
+    uri = tracking.tracking_uri(root)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         return None
     try:
-        import mlflow
-
-        run = mlflow.get_run(run_id)
-        return run.data.tags.get("git_commit") or run.data.tags.get("mlflow.source.git.commit")
-    except Exception:
+        run = tracking.client(root).get_run(run_id)
+    except Exception:  # not a run id in this store (or the store is unreachable): not an MLflow reference
         return None
+    return run.data.tags.get("git_commit") or run.data.tags.get("mlflow.source.git.commit")
 
 
 def reproduce(ref: str, root: Path, echo=print, keep: bool = False) -> list[dict]:

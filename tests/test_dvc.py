@@ -17,39 +17,11 @@ import yaml
 
 from evoharness.errors import EvoError
 from evoharness.lineage import dvc, ensure_remote, find_commit, git, lineage, parse_lock, reproduce, unlock
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    "seed": 3,
-    "profile": "tiny-cpu",
-    "workers": 2,
-    "games": {"per_family": {"train": 1, "valid_seen": 1, "valid_unseen": 1}, "max_per_type": 3, "distractors": 2},
-    "episode": {"max_steps": 40},
-    "demos": {"n": 6, "noise": 0.2, "batch_size": 6},
-    "pairs": {"val_fraction": 0.2, "few_shot": 0},
-    "validate": {"max_tokens": 1024},
-    "eval": {"seeds": [0], "baselines": ["teacher"]},
-}
-
+from project import MICRO, make_project
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    base = tmp_path_factory.mktemp("dvcrepo")
-    repo = base / "repo"
-    repo.mkdir()
-    shutil.copytree(ROOT / "evoharness", repo / "evoharness", ignore=shutil.ignore_patterns("__pycache__"))
-    for f in ("dvc.yaml", ".dvcignore", ".gitignore"):
-        shutil.copy(ROOT / f, repo / f)
-    (repo / "params.yaml").write_text(yaml.safe_dump(TINY, sort_keys=False))
-    git(["init", "-q", "-b", "main"], repo)
-    git(["config", "user.email", "t@example.com"], repo)
-    git(["config", "user.name", "t"], repo)
-    dvc(["init", "-q"], repo)
-    dvc(["config", "core.autostage", "true"], repo)
-    ensure_remote(repo, str(base / "remote"))
-    git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "pipeline"], repo)
-    return repo
+    return make_project(tmp_path_factory.mktemp("dvcrepo"), MICRO)
 
 
 DATA = ["validate", "baselines"]  # with their upstream: games, demos, pairs
@@ -167,3 +139,16 @@ def test_stale_lock_is_named_and_cleared(repo):
     assert unlock(repo) == [proc.pid]
     assert str(proc.pid) not in lock.read_text()
     dvc(["status", *DATA], repo)  # raises if the lock still blocks
+
+
+def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, monkeypatch):
+    from evoharness import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(mlflow_template, repo / "mlflow.db")  # the project's default store, as a retrain leaves it
+    head = git(["rev-parse", "HEAD"], repo)
+    c = tracking.client(repo)
+    run = c.create_run(tracking.experiment_id(c, repo), tags={"git_commit": head})
+    assert find_commit(run.info.run_id, repo) == (head, f"MLflow run {run.info.run_id}")
+    with pytest.raises(EvoError, match="nor a known MLflow run id"):
+        find_commit("0" * 32, repo)
