@@ -32,7 +32,7 @@ class StageResult:
     seconds: float
     entry: dict = field(default_factory=dict)
     where: str = "local"
-    files: dict = field(default_factory=dict)  # a job's small uncached outputs (metrics), by path
+    files: dict = field(default_factory=dict)  # a job's uncached outputs (metrics, plots), by path
 
     def hashes(self) -> dict[str, str]:
         return {f"{k[:-1]}:{o['path']}": o.get("md5", "") for k in ("deps", "outs") for o in self.entry.get(k, []) or []}
@@ -105,16 +105,16 @@ def upstream(root: Path, stage: str) -> list[str]:
     return found
 
 
-def uncached_outs(root: Path, stage: str) -> dict[str, bool]:
-    """Outputs DVC does not cache (so not on the remote): path -> persisted (checkpoints)."""
+def uncached_outs(root: Path, stage: str) -> list[str]:
+    """Outputs DVC does not cache (metrics, plots), so not on the remote: a job sends them along."""
     spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
-    found = {}
+    found = []
     for kind in ("outs", "metrics", "plots"):
         for o in spec.get(kind, []) or []:
             if isinstance(o, dict):
                 path, opts = next(iter(o.items()))
                 if opts and opts.get("cache") is False:
-                    found[path] = bool(opts.get("persist"))
+                    found.append(path)
     return found
 
 
@@ -122,11 +122,10 @@ SMALL = 1 << 20
 
 
 def small_files(root: Path, stage: str) -> dict[str, str]:
-    """A job's uncached, unpersisted outputs (metrics, plots) travel with its result."""
     out = {}
-    for path, persisted in uncached_outs(root, stage).items():
+    for path in uncached_outs(root, stage):
         f = Path(root) / path
-        if not persisted and f.is_file() and f.stat().st_size <= SMALL:
+        if f.is_file() and f.stat().st_size <= SMALL:
             out[path] = f.read_text()
     return out
 
@@ -200,13 +199,12 @@ def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
 
 def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:
     """Record a job's lock entry here and pull its outputs by the hashes it names; then DVC must
-    agree the stage is up to date (same commit, same inputs), else the job ran something else.
-    Persisted uncached outputs (checkpoints) stay with the worker, for its next resume."""
+    agree the stage is up to date (same commit, same inputs), else the job ran something else."""
     if not entry.get("outs"):
         raise EvoError(f"job for stage {stage!r} returned no outputs in its dvc.lock entry")
     uncached = uncached_outs(root, stage)
     for path, text in (files or {}).items():
-        if path not in uncached or uncached[path]:
+        if path not in uncached:
             raise EvoError(f"job for stage {stage!r} sent {path!r}, which is not one of its uncached outputs")
         (Path(root) / path).parent.mkdir(parents=True, exist_ok=True)
         (Path(root) / path).write_text(text)
@@ -218,20 +216,6 @@ def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = 
     except ValueError:
         changed = {"?": out}
     changed = {k: v for k, v in changed.items() if k == stage or k.endswith(f":{stage}")}
-    kept = {p for p, persisted in uncached.items() if persisted}
-    for k, items in list(changed.items()):
-        rest = []
-        for item in items if isinstance(items, list) else [items]:
-            if isinstance(item, dict) and "changed outs" in item:
-                outs = {p: v for p, v in item["changed outs"].items() if p not in kept}
-                if outs:
-                    rest.append({"changed outs": outs})
-            else:
-                rest.append(item)
-        if rest:
-            changed[k] = rest
-        else:
-            del changed[k]
     if changed:
         raise EvoError(f"stage {stage!r}: the job's outputs do not match this checkout ({json.dumps(changed)[:300]}); was the job run on another commit?")
     return {o["path"]: o.get("md5", "") for o in entry["outs"]}
