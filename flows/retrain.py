@@ -41,6 +41,18 @@ def preflight(root: Path, params_path: str) -> str:
     return p.profile
 
 
+def check_deployment(name: str, pool: str) -> None:
+    """A pool is reached through its stage deployment: say so before any stage runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as c:
+        try:
+            c.read_deployment_by_name(name)
+        except ObjectNotFound:
+            raise EvoError(f"--pool {pool}: no deployment {name!r} on the Prefect server; register prefect.yaml's deployments with `evoharness deploy`") from None
+
+
 @flow(name="retrain", log_prints=True)
 def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = None, repo_url: str | None = None,
             deployment: str | None = None, poll_s: float = 5.0) -> dict:
@@ -49,6 +61,8 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     log = get_run_logger()
     rootp = Path(root).resolve()
     profile = preflight(rootp, params)
+    if pool:
+        check_deployment(deployment or f"train-stage/train-stage-{pool}", pool)
     st.ensure_limit(rootp)
     names = stagerun.stages(rootp)
     t0 = time.time()

@@ -207,3 +207,11 @@ def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server
         assert failed and "validation failed" in failed[0].data.tags["error"]
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+def test_a_pool_without_its_deployment_is_one_line(prefect_server):
+    from evoharness.errors import EvoError
+    from flows.retrain import check_deployment
+
+    with pytest.raises(EvoError, match=r"--pool gpu9: no deployment 'train-stage/train-stage-gpu9' on the Prefect server; .*evoharness deploy"):
+        check_deployment("train-stage/train-stage-gpu9", "gpu9")
