@@ -61,15 +61,13 @@ def check_tracking(uri: str) -> None:
 
 
 def client(root: Path | None = None):
-    """A client on the project's store (checked first); sets the same URI for MLflow's helpers."""
-    import mlflow
+    """A client on the project's store (checked first). MLflow's global URI is left alone:
+    ``mlflow.set_tracking_uri`` also writes MLFLOW_TRACKING_URI into the environment, so a second
+    project opened in the same process would silently log into the first one's store."""
     from mlflow import MlflowClient
 
     uri = tracking_uri(root)
     check_tracking(uri)
-    mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:///"):
-        mlflow.set_registry_uri(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri if uri.startswith("sqlite:///") else None)
 
 

@@ -85,7 +85,9 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         c = tracking.client(project)
         exp = c.get_experiment_by_name(tracking.EXPERIMENT)
         parents = c.search_runs([exp.experiment_id], "tags.kind = 'retrain' and attributes.status = 'FINISHED'")
-        assert len(parents) == 1
+        every = [(x.info.run_name, x.info.status, x.data.tags.get("kind"), x.data.tags.get("error", "")[:300])
+                 for x in c.search_runs([exp.experiment_id], "")]
+        assert len(parents) == 1, f"{tracking.tracking_uri(project)}: {every}\n{r.stdout[-2000:]}"
         p = parents[0]
         assert p.data.tags["git_commit"] == git(["rev-parse", "HEAD"], project)
         grpo_md5 = next(o["md5"] for o in lock["grpo"]["outs"] if o["path"] == "data/models/grpo")

@@ -128,3 +128,24 @@ def test_an_unreachable_mlflow_server_is_one_line(tmp_path, monkeypatch):
 def test_no_secret_is_logged():
     flat = tracking.flatten({"chat": {"api_key": "sk-123", "base_url": "http://x"}, "hf_token": "t", "lr": 0.1})
     assert flat == {"chat.base_url": "http://x", "lr": 0.1}
+
+
+def test_two_projects_in_one_process_each_log_to_their_own_store(mlflow_template, tmp_path, monkeypatch):
+    """Opening a project's store must not leak into the environment: MLflow's own set_tracking_uri
+    writes MLFLOW_TRACKING_URI, which made the next project in the process log into the first one's."""
+    import shutil
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ids = {}
+    for name in ("a", "b"):
+        root = tmp_path / name
+        root.mkdir()
+        shutil.copy(mlflow_template, root / tracking.DB_NAME)
+        c = tracking.client(root)
+        assert c.tracking_uri == f"sqlite:///{root.resolve() / tracking.DB_NAME}"
+        ids[name] = c.create_run(tracking.experiment_id(c, root), tags={"kind": name}).info.run_id
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+    for name in ("a", "b"):
+        c = tracking.client(tmp_path / name)
+        runs = c.search_runs([tracking.experiment_id(c, tmp_path / name)], "")
+        assert [r.info.run_id for r in runs] == [ids[name]]
