@@ -57,13 +57,28 @@ def git(args: list[str], cwd: Path, check: bool = True) -> str:
 
 
 def default_remote(root: Path) -> tuple[str, str] | None:
-    """(name, url) of the default remote, or None."""
-    r = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=root, env=_env(), capture_output=True, text=True)
-    name = r.stdout.strip() if r.returncode == 0 else ""
+    """(name, url) of the default remote, or None. Read with DVC's own config loader (every level:
+    system, global, repo, local) in this process: two ``dvc`` subprocesses cost about 1.6 s here."""
+    from dvc.config import Config, ConfigError
+
+    dvc_dir = Path(root) / ".dvc"
+    if not dvc_dir.is_dir():
+        return None
+    try:
+        conf = Config(dvc_dir=str(dvc_dir))
+    except ConfigError as e:
+        raise EvoError(f"DVC config in {dvc_dir} is invalid: {e}") from None
+    name = (conf.get("core") or {}).get("remote") or ""
     if not name:
         return None
-    u = subprocess.run([sys.executable, "-m", "dvc", "config", f"remote.{name}.url"], cwd=root, env=_env(), capture_output=True, text=True)
-    return name, u.stdout.strip()
+    remote = (conf.get("remote") or {}).get(name)
+    if remote is None:
+        raise EvoError(f"DVC default remote {name!r} is not defined in {dvc_dir}/config or config.local")
+    url = str(remote.get("url", ""))
+    if url and "://" not in url and not Path(url).is_absolute():
+        # DVC resolves a relative local remote against the folder of the config file that names it.
+        url = os.path.normpath(str(dvc_dir / url))
+    return name, url
 
 
 def check_remote(root: Path) -> None:

@@ -6,6 +6,7 @@ nothing that finished. With ``pool`` set, SFT and GRPO go to that work pool's st
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from prefect.runtime import flow_run
 
 from evoharness import stagerun
 from evoharness.errors import EvoError
+from evoharness.tracking import tracking_uri
 from tasks import stages as st
 from tasks import tracking as tr
 
@@ -41,6 +43,34 @@ def preflight(root: Path, params_path: str) -> str:
     return p.profile
 
 
+class _Monitor:
+    """MLflow's system metrics (CPU, memory, disk, network; GPU where present) on the parent run,
+    started when the run exists (a callback of its task) and never after the retrain ended."""
+
+    def __init__(self, root: Path):
+        self.uri = tracking_uri(root)
+        self.lock = threading.Lock()
+        self.monitor = None
+        self.done = False
+
+    def start(self, fut) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        if not fut.state.is_completed():
+            return
+        with self.lock:
+            if self.done:
+                return
+            self.monitor = SystemMetricsMonitor(fut.result(), sampling_interval=10, tracking_uri=self.uri)
+            self.monitor.start()
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done = True
+            if self.monitor is not None:
+                self.monitor.finish()
+
+
 def check_deployment(name: str, pool: str) -> None:
     """A pool is reached through its stage deployment: say so before any stage runs."""
     from prefect.client.orchestration import get_client
@@ -66,39 +96,41 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     st.ensure_limit(rootp)
     names = stagerun.stages(rootp)
     t0 = time.time()
-    parent = tr.start_parent(str(rootp), params, profile, pool, str(flow_run.id) if flow_run.id else None)
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    from evoharness.tracking import tracking_uri
-
-    monitor = SystemMetricsMonitor(parent, sampling_interval=10, tracking_uri=tracking_uri(rootp))
-    monitor.start()
+    # The parent run is created beside the first stage (a fresh MLflow store migrates for seconds);
+    # system metrics are sampled from the moment it exists.
+    parent_f = tr.start_parent.submit(str(rootp), params, profile, pool, str(flow_run.id) if flow_run.id else None)
+    monitor = _Monitor(rootp)
+    parent_f.add_done_callback(monitor.start)
     summary: dict = {}
     try:
-        all_cached = st.pipeline_up_to_date(str(rootp))
-        ran, cached = [], []
-        for stage in names:
-            if all_cached:
-                res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
-            elif stage == GATE:
-                res = st.validate_stage(str(rootp), stage)
-            elif pool and stage in DISPATCHED:
-                res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", repo_url, poll_s)
-            else:
-                res = st.run_stage(str(rootp), stage)
-            (ran if res.ran else cached).append(stage)
-            log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
-            st.publish(res, tr.read_metrics(rootp, stage), str(rootp))
-            tr.log_stage(str(rootp), parent, res)
-        if ran:
-            st.push_all(str(rootp))
+        with st.dvc_slot(rootp):  # one slot for every DVC command of this retrain
+            all_cached = st.pipeline_up_to_date(str(rootp))
+            ran, cached = [], []
+            for stage in names:
+                if all_cached:
+                    res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
+                elif stage == GATE:
+                    res = st.validate_stage(str(rootp), stage)
+                elif pool and stage in DISPATCHED:
+                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", repo_url, poll_s)
+                else:
+                    res = st.run_stage(str(rootp), stage)
+                (ran if res.ran else cached).append(stage)
+                log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
+                st.publish(res, tr.read_metrics(rootp, stage), str(rootp))
+                tr.log_stage(str(rootp), parent_f.result(), res)
+            if ran:
+                st.push_all(str(rootp))
+        parent = parent_f.result()
         decision = tr.promote(str(rootp), parent, params, profile)
         summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
                    "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
         tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
         return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1)}
     except BaseException as e:
-        tr.fail_parent(str(rootp), parent, f"{type(e).__name__}: {e}")
+        parent_f.wait()
+        if parent_f.state.is_completed():
+            tr.fail_parent(str(rootp), parent_f.result(), f"{type(e).__name__}: {e}")
         raise
     finally:
         monitor.finish()

@@ -1,9 +1,15 @@
 """Prefect tasks over DVC stages: run one here, dispatch one to a work pool, receive its outputs.
 
-Every DVC command holds the repo's slot of a global concurrency limit of one (DVC locks the repo,
-so two commands at once fail). The slot is per repository path: a job's clean checkout on a worker
-is another repository, so the orchestrator waiting for it never deadlocks it. Leases expire 60 s
-after a killed holder stops renewing them.
+DVC locks the repo, so two commands at once fail. Every DVC command runs while its caller holds
+the repository's slot of a global concurrency limit of one: a retrain takes the slot once for its
+whole run (a second retrain of the same repo, say a scheduled one beside a manual one, waits for
+it), and a pool job takes the slot of its own checkout. Taking it once per retrain rather than once
+per command also avoids ten round trips that a busy SQLite Prefect server answers with 503 and a
+2 s client back-off. The slot is per repository path: a job's clean checkout on a worker is another
+repository, so the orchestrator waiting for it never deadlocks it. Leases expire 60 s after a
+killed holder stops renewing them. The tasks below assume the caller holds the slot. They carry
+no tags: Prefect takes a tag concurrency slot for every tagged task run, one more write per task
+that a busy SQLite server may answer with 503 and a 2 s back-off.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ def ensure_limit(root: Path) -> str:
 def dvc_slot(root: Path):
     from prefect.concurrency.sync import concurrency
 
-    with concurrency(limit_name(root), occupy=1, lease_duration=LEASE_S, strict=True):
+    # A renewal that fails once (a busy server) must not kill an hour of training: it is logged, and
+    # the lease lasts LEASE_S more seconds for the next renewal to succeed.
+    with concurrency(limit_name(root), occupy=1, lease_duration=LEASE_S, strict=True, raise_on_lease_renewal_failure=False):
         yield
 
 
@@ -67,21 +75,19 @@ def stage_markdown(res: stagerun.StageResult, metrics: dict | None) -> str:
     return "\n".join(lines)
 
 
-@task(name="dvc-stage", cache_policy=NO_CACHE, tags=["dvc"])
+@task(name="dvc-stage", cache_policy=NO_CACHE)
 def run_stage(root: str, stage: str) -> stagerun.StageResult:
     """Run the stage here (``dvc repro --single-item``); DVC skips it when nothing changed."""
-    with dvc_slot(Path(root)):
-        return stagerun.run_here(Path(root), stage)
+    return stagerun.run_here(Path(root), stage)
 
 
-@task(name="validation-gate", cache_policy=NO_CACHE, tags=["dvc"])
+@task(name="validation-gate", cache_policy=NO_CACHE)
 def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
     """The Great Expectations gate: on failure the flow stops with a readable report artifact (the
     data is already quarantined by the stage, with its report beside it)."""
     root_p = Path(root)
     try:
-        with dvc_slot(root_p):
-            return stagerun.run_here(root_p, stage)
+        return stagerun.run_here(root_p, stage)
     except EvoError as e:
         md = ["# Validation failed: the flow stopped", "", f"`{e}`", ""]
         for name in ("trajectories", "pairs"):
@@ -103,10 +109,9 @@ def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
         raise
 
 
-@task(name="push-inputs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, tags=["dvc"])
+@task(name="push-inputs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def push_inputs(root: str, stage: str) -> list[str]:
-    with dvc_slot(Path(root)):
-        return stagerun.push_inputs(Path(root), stage)
+    return stagerun.push_inputs(Path(root), stage)
 
 
 def job_markdown(res: stagerun.StageResult) -> str:
@@ -140,9 +145,8 @@ def dispatch_stage(root: str, stage: str, deployment: str, repo_url: str | None 
     log = get_run_logger()
     root_p = Path(root)
     t0 = time.time()
-    with dvc_slot(root_p):
-        spec = stagerun.job_spec(root_p, stage, repo_url)
-        ups = stagerun.push_inputs(root_p, stage)
+    spec = stagerun.job_spec(root_p, stage, repo_url)
+    ups = stagerun.push_inputs(root_p, stage)
     inputs = {o["path"]: o.get("md5") for u in ups for o in stagerun.lock_entry(root_p, u).get("outs", [])}
     key = hashlib.sha256(json.dumps([deployment, spec["commit"], stage, inputs], sort_keys=True).encode()).hexdigest()[:24]
     log.info(f"{stage}: dispatching to {deployment} (commit {spec['commit'][:12]}, inputs {inputs})")
@@ -155,22 +159,19 @@ def dispatch_stage(root: str, stage: str, deployment: str, repo_url: str | None 
     else:
         raise EvoError(f"stage {stage!r}: the job on {deployment} failed three times (last flow run {fr.id}, state {fr.state.name if fr.state else '?'}); see its logs in the Prefect UI")
     job = _job_result(fr.id)
-    with dvc_slot(root_p):
-        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
+    outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
     log.info(f"{stage}: received {outs} from job {fr.id}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool job {fr.id}")
 
 
-@task(name="dvc-push", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, tags=["dvc"])
+@task(name="dvc-push", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def push_all(root: str) -> None:
-    with dvc_slot(Path(root)):
-        stagerun.dvc(["push"], Path(root))
+    stagerun.dvc(["push"], Path(root))
 
 
-@task(name="dvc-status", cache_policy=NO_CACHE, tags=["dvc"])
+@task(name="dvc-status", cache_policy=NO_CACHE)
 def pipeline_up_to_date(root: str) -> bool:
-    with dvc_slot(Path(root)):
-        return stagerun.up_to_date(Path(root))
+    return stagerun.up_to_date(Path(root))
 
 
 def publish(res: stagerun.StageResult, metrics: dict | None, root: str | None = None) -> None:
