@@ -7,8 +7,7 @@ project with identical parameters; then a no-op retrain (nothing changed).
 `ephemeral` is what the main command does with no PREFECT_API_URL (Prefect starts a local server
 for the run; its home, created and migrated once per machine, is prepared before timing and that
 one-off cost printed on its own row); `server` uses a Prefect server started once by the bench,
-as a scheduled deployment
-would. Targets: orchestrated at most 1.10x bare; no-op at most 30 s.
+as a scheduled deployment would. Targets: orchestrated at most 1.10x bare; no-op at most 30 s.
 """
 
 from __future__ import annotations

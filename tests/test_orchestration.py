@@ -94,6 +94,7 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         assert p.data.tags["dvc.out.data/models/grpo"] == grpo_md5 and p.data.tags["decision"] == "promoted"
         assert {a.path for a in c.list_artifacts(p.info.run_id)} >= {"dvc.lock", "params.yaml"}
         assert p.data.params["profile"] == "tiny-cpu" and not any("key" in k.lower() for k in p.data.params)
+        assert "system/cpu_utilization_percentage" in p.data.metrics  # sampled from when the parent run exists
         children = {r.data.tags["stage"]: r for r in c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{p.info.run_id}'")}
         assert set(children) == {*lock, "promote"}
         assert children["games"].data.tags["cached"] == "true" and children["sft_inline"].data.tags["cached"] == "false"
