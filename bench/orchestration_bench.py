@@ -54,8 +54,10 @@ def stage_seconds(repo: Path) -> float:
     free of the run-to-run noise of training on 2 cores."""
     from mlflow import MlflowClient
 
-    c = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    exp = c.get_experiment_by_name("evoharness-retrain")
+    from evoharness import tracking
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{repo / tracking.DB_NAME}")  # the store the bench's runs used
+    exp = c.get_experiment_by_name(tracking.EXPERIMENT)
     parent = c.search_runs([exp.experiment_id], "tags.kind = 'retrain'", order_by=["attributes.start_time DESC"], max_results=1)[0]
     children = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     return sum(r.data.metrics.get("stage_seconds", 0.0) for r in children)

@@ -67,18 +67,14 @@ def default_remote(root: Path) -> tuple[str, str] | None:
     try:
         conf = Config(dvc_dir=str(dvc_dir))
     except ConfigError as e:
-        raise EvoError(f"DVC config in {dvc_dir} is invalid: {e}") from None
+        raise EvoError(f"DVC config in {dvc_dir} is invalid: {' '.join(str(e).split())}") from None
     name = (conf.get("core") or {}).get("remote") or ""
     if not name:
         return None
     remote = (conf.get("remote") or {}).get(name)
     if remote is None:
         raise EvoError(f"DVC default remote {name!r} is not defined in {dvc_dir}/config or config.local")
-    url = str(remote.get("url", ""))
-    if url and "://" not in url and not Path(url).is_absolute():
-        # DVC resolves a relative local remote against the folder of the config file that names it.
-        url = os.path.normpath(str(dvc_dir / url))
-    return name, url
+    return name, str(remote.get("url", ""))  # DVC's loader already made a relative local path absolute
 
 
 def check_remote(root: Path) -> None:

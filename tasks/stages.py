@@ -109,11 +109,6 @@ def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
         raise
 
 
-@task(name="push-inputs", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def push_inputs(root: str, stage: str) -> list[str]:
-    return stagerun.push_inputs(Path(root), stage)
-
-
 def job_markdown(res: stagerun.StageResult) -> str:
     doc = {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "entry": res.entry, "files": res.files}
     table = "\n".join(f"| `{k}` | `{v}` |" for k, v in res.hashes().items() if k.startswith("out:"))

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from evoharness.errors import EvoError
-from evoharness.lineage import dvc, ensure_remote, find_commit, git, lineage, parse_lock, reproduce, unlock
+from evoharness.lineage import check_remote, dvc, ensure_remote, find_commit, git, lineage, parse_lock, reproduce, unlock
 from project import MICRO, make_project
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,15 @@ def test_missing_and_unreachable_remote(repo, tmp_path):
     dvc(["remote", "modify", "--local", "dead", "url", str(tmp_path / "gone")], clone)
     with pytest.raises(EvoError, match=r"DVC remote 'dead' \(.*gone\) does not exist"):
         dvc(["push"], clone)
+    # A default that names no defined remote, and a config DVC cannot parse: one line naming the file.
+    local = clone / ".dvc" / "config.local"
+    local.write_text("[core]\n    remote = nowhere\n")
+    with pytest.raises(EvoError, match=r"DVC default remote 'nowhere' is not defined in .*clone/.dvc/config"):
+        check_remote(clone)
+    local.write_text("[core\nremote = = x\n")
+    with pytest.raises(EvoError, match=r"DVC config in .*clone/.dvc is invalid: ") as e:
+        check_remote(clone)
+    assert "\n" not in str(e.value) and local.read_text() == "[core\nremote = = x\n"  # reported, not rewritten
 
 
 def test_stale_lock_is_named_and_cleared(repo):
