@@ -57,7 +57,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
     bank = Experience.load(bank_path)
     out = Path(out)
     results: dict = {}
-    with EnvPool(p.workers) as pool:
+    with EnvPool(profile.episode_workers) as pool:
         for label, folder, mode in LINEUP:
             from evoharness.policies.hf import resolve_checkpoint
 
@@ -65,15 +65,16 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
             if not (resolve_checkpoint(path) / "config.json").exists():
                 raise EvoError(f"compare: {path} is not a model checkpoint (run its stage first)")
             cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False}),
-                                               "max_steps": profile.eval_max_steps or p.episode.max_steps})
-            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens)
+                                               "max_steps": profile.eval_max_steps or p.episode.max_steps,
+                                               "max_turns": profile.eval_max_turns})
+            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained")
             results[label] = {}
             for split in ("valid_seen", "valid_unseen"):
                 games = per_family(list_games(games_root, split), profile.eval_games_per_family)
                 # GRPO evolved its own bank; the others read the teacher's.
                 own = path / "experience.json"
                 b = Experience.load(own) if own.exists() else bank
-                r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, p.workers, b if mode != "env_only" else None, pool=pool)
+                r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers, b if mode != "env_only" else None, pool=pool)
                 results[label][split] = r["summary"]
                 echo(format_table(f"{label} {split}", r["summary"]))
             (out / label / "results.json").write_text(json.dumps(results[label], indent=2))

@@ -15,7 +15,8 @@ class PolicySpec(BaseModel):
     """A policy by kind plus its settings. ``noise`` (teacher): chance per env step of a random
     admissible command instead of the expert's. ``base_url``/``model``/``api_key_env`` (chat):
     any OpenAI-compatible endpoint, the key read from that environment variable. ``path``
-    (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding."""
+    (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding.
+    ``constrained`` (hf): decode under ``policies.constrain`` (the format and a legal action)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["teacher", "random", "chat", "hf"]
@@ -27,6 +28,7 @@ class PolicySpec(BaseModel):
     sample: bool = False
     temperature: float = 1.0
     max_new_tokens: int = 96
+    constrained: bool = True
 
 
 def parse_policy(text: str) -> PolicySpec:
@@ -61,4 +63,4 @@ def make_policy(spec: PolicySpec):
         return ChatPolicy(spec.base_url, spec.model, spec.api_key_env, temperature=spec.temperature if spec.sample else 0.0, max_tokens=spec.max_new_tokens)
     from evoharness.policies.hf import HFPolicy
 
-    return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens)
+    return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, constrained=spec.constrained)

@@ -99,18 +99,28 @@ class Sample:
 class Sampler:
     """Generate one response for a prompt; serialised by a lock (episodes run in threads)."""
 
-    def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, lock: threading.Lock | None = None):
+    def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, lock: threading.Lock | None = None,
+                 constrained: bool = True):
         self.model, self.tok = model, tok
         self.sample, self.temperature, self.max_new_tokens = sample, temperature, max_new_tokens
         self.lock = lock or threading.Lock()
+        self.constrained = constrained
 
-    def __call__(self, prompt: str, seed: int | None = None) -> Sample:
+    def __call__(self, prompt: str, seed: int | None = None, view: TurnView | None = None) -> Sample:
+        """One response; with ``view`` and ``constrained``, decoded under ``constrain.ActionConstraint``
+        (the logprobs are then those of the distribution actually sampled from)."""
         import torch
 
         text = render(self.tok, prompt)
         ids = self.tok(text, return_tensors="pt", add_special_tokens=False)
         kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.sample, pad_token_id=self.tok.pad_token_id,
                       eos_token_id=stop_ids(self.tok), output_scores=True, return_dict_in_generate=True)
+        if self.constrained and view is not None:
+            from evoharness.policies.constrain import prefix_fn
+
+            fn = prefix_fn(self.tok, view.admissible, view.verbs, ids["input_ids"].shape[1], self.max_new_tokens)
+            if fn is not None:
+                kwargs["prefix_allowed_tokens_fn"] = fn
         if self.sample:
             kwargs.update(temperature=self.temperature, top_k=0, top_p=1.0)
         with self.lock, torch.no_grad():
@@ -132,7 +142,8 @@ class VLLMServerSampler:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.lock = lock or threading.Lock()
 
-    def __call__(self, prompt: str, seed: int | None = None) -> Sample:
+    def __call__(self, prompt: str, seed: int | None = None, view: TurnView | None = None) -> Sample:
+        """Unconstrained: the server decodes freely (``view`` is accepted for the interface)."""
         text = render(self.tok, prompt)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         kwargs = {"stop_token_ids": stop_ids(self.tok)}
@@ -152,23 +163,41 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+_GENERATORS: dict[tuple, object] = {}
+
+
+def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, constrained: bool):
+    """One ``BatchedGenerator`` per checkpoint and decoding setting, shared by every episode thread."""
+    from evoharness.policies.batched import BatchedGenerator
+
+    key = (str(resolve_checkpoint(path)), sample, temperature, max_new_tokens, constrained)
+    with _LOAD_LOCK:
+        g = _GENERATORS.get(key)
+    if g is None:
+        tok, model, _ = load(path)
+        with _LOAD_LOCK:
+            g = _GENERATORS.setdefault(key, BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained))
+    return g
+
+
 class HFPolicy:
-    def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96):
+    def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96, constrained: bool = True):
         if not path:
             raise PolicyError("hf policy needs path=<checkpoint folder>")
         self.path, self.sample, self.temperature, self.max_new_tokens = path, sample, temperature, max_new_tokens
+        self.constrained = constrained
         self.name = f"hf:{Path(path).name}"
         self.seed = 0
         self.calls = 0
 
     def fingerprint(self) -> str:
-        return f"hf:v1:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}"
+        decoding = "constrained" if self.constrained else "free"
+        return f"hf:v2:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
-        tok, model, lock = load(self.path)
-        sampler = Sampler(model, tok, self.sample, self.temperature, self.max_new_tokens, lock)
+        sampler = generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained)
         self.calls += 1
-        return sampler(prompt, seed=(self.seed * 100_003 + self.calls) if self.sample else None).text
+        return sampler(prompt, seed=(self.seed * 100_003 + self.calls) if self.sample else None, view=view).text

@@ -49,7 +49,7 @@ class RecordingPolicy:
         self.turns = []
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
-        s = self.sampler(prompt, seed=self.seed * 1000 + len(self.turns))
+        s = self.sampler(prompt, seed=self.seed * 1000 + len(self.turns), view=view)
         self.turns.append(s)
         return s.text
 
@@ -78,7 +78,7 @@ class Rollouts:
         self.calls = 0
 
     def __call__(self, prompts: list[str], trainer) -> dict:
-        from evoharness.policies.hf import Sampler
+        from evoharness.policies.batched import BatchedGenerator
 
         g = self.profile.grpo
         n_gen = g.rollouts * g.turns_per_rollout
@@ -90,7 +90,7 @@ class Rollouts:
 
             sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, self.tok, g.temperature, g.max_new_tokens, self.lock)
         else:
-            sampler = Sampler(model, self.tok, True, g.temperature, g.max_new_tokens, self.lock)
+            sampler = BatchedGenerator(model, self.tok, True, g.temperature, g.max_new_tokens, self.profile.decoding == "constrained")
         u = int(trainer.state.global_step)
         cfg = EpisodeConfig(max_steps=g.max_steps_per_episode, harness=HarnessConfig(mode="inline", charge_meta_actions=g.charge_meta_actions),
                             reward=self.reward, update=u)
@@ -226,7 +226,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         disable_tqdm=True,
         log_completions=False,
     )
-    with EnvPool(workers) as pool:
+    with EnvPool(min(profile.episode_workers, g.games_per_step * g.rollouts)) as pool:
         resume = last_checkpoint(ckpts)
         if resume is None:
             curve.unlink(missing_ok=True)  # a fresh run: the curve restarts; a resumed run appends

@@ -86,6 +86,12 @@ class Profile(_Strict):
     deepspeed_config: str = ""
     eval_games_per_family: int = Field(10, ge=1)
     eval_max_steps: int = Field(0, ge=0, description="step budget of model episodes in the evaluate stage (0: episode.max_steps)")
+    eval_max_turns: int = Field(0, ge=0, description="turn budget (env + uncharged meta-actions) of model episodes in the evaluate "
+                                "stage (0: twice the step budget)")
+    decoding: Literal["constrained", "free"] = Field("constrained", description="constrained: every response is well formed and its "
+                                                     "action admissible or a meta-verb (policies/constrain.py); free: plain sampling")
+    episode_workers: int = Field(8, ge=1, description="environment workers for the model's episodes in evaluate and GRPO; their turns "
+                                 "are decoded together as one batch")
 
     @model_validator(mode="after")
     def _launch(self):

@@ -1,0 +1,121 @@
+"""Constrained decoding: the response always has the format ``<think>…</think><action>…</action>``
+and its action is a line of ADMISSIBLE COMMANDS or one of the enabled meta-verbs (with a free
+argument). The prompt is unchanged; only which next tokens may be sampled is restricted, so the
+probabilities a trained policy gives the allowed tokens are renormalised, nothing more.
+
+A small model trained on a few hundred episodes spends most of its failures on malformed or
+misspelled commands; with the constraint every turn is a legal move, and evaluation, GRPO
+rollouts and the baselines all decode the same way (``decoding: constrained`` in the profile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_THINK = 32  # tokens of free text before ``</think>`` is forced
+MAX_ARG = 12  # tokens of a meta-action's argument before ``</action>`` is forced
+
+
+@dataclass
+class _Tags:
+    think: int
+    end_think: int
+    action: int
+    end_action: int
+    banned: frozenset[int]  # special and tag tokens: never inside free text
+
+
+def _tags(tok) -> _Tags | None:
+    ids = tok.convert_tokens_to_ids(["<think>", "</think>", "<action>", "</action>"])
+    if any(not isinstance(i, int) or i == tok.unk_token_id for i in ids):
+        return None  # the tokenizer does not have the tags as single tokens: no constraint
+    banned = set(ids) | set(tok.all_special_ids)
+    return _Tags(*ids, frozenset(banned))
+
+
+class Trie:
+    def __init__(self):
+        self.children: dict[int, Trie] = {}
+        self.end = False
+
+    def add(self, ids: list[int]) -> None:
+        node = self
+        for i in ids:
+            node = node.children.setdefault(i, Trie())
+        node.end = True
+
+    def walk(self, ids: list[int]) -> "Trie | None":
+        node = self
+        for i in ids:
+            node = node.children.get(i)
+            if node is None:
+                return None
+        return node
+
+
+class ActionConstraint:
+    """``allowed(generated)``: the token ids allowed after the response's ``generated`` ids."""
+
+    def __init__(self, tok, admissible: tuple[str, ...], verbs: tuple[str, ...], budget: int = 1 << 30):
+        self.tags = _tags(tok)
+        self.budget = budget  # max new tokens: the think is closed early enough to leave room for an action
+        self.vocab = len(tok)
+        self.trie = Trie()
+        self.longest = 1
+        self.verb_ids: set[int] = set()
+        if self.tags is None:
+            return
+        unk = tok.unk_token_id
+        for cmd in admissible:
+            ids = tok(cmd, add_special_tokens=False)["input_ids"]
+            if ids and unk not in ids:  # a command with a word the tokenizer lacks cannot be written
+                self.trie.add(ids)
+                self.longest = max(self.longest, len(ids))
+        for v in verbs:
+            ids = tok(v, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1 and ids[0] != unk:
+                self.verb_ids.add(ids[0])
+        self.free = [i for i in range(self.vocab) if i not in self.tags.banned]
+
+    @property
+    def active(self) -> bool:
+        return self.tags is not None and (bool(self.trie.children) or bool(self.verb_ids))
+
+    def allowed(self, generated: list[int]) -> list[int]:
+        t = self.tags
+        if not generated:
+            return [t.think]
+        if t.end_think not in generated:
+            n = len(generated) - 1
+            close = n >= MAX_THINK or len(generated) + 3 + self.longest >= self.budget
+            return [t.end_think] if close else self.free + [t.end_think]
+        k = generated.index(t.end_think)
+        after = generated[k + 1 :]
+        if not after:
+            return [t.action]
+        action = after[1:]
+        if not action:
+            return sorted(set(self.trie.children) | self.verb_ids)
+        if action[0] in self.verb_ids:
+            close = len(action) > MAX_ARG or len(generated) + 1 >= self.budget
+            return [t.end_action] if close else self.free + [t.end_action]
+        node = self.trie.walk(action)
+        if node is None:  # cannot happen under the constraint; end the action
+            return [t.end_action]
+        out = list(node.children)
+        if node.end:
+            out.append(t.end_action)
+        return out or [t.end_action]
+
+
+def prefix_fn(tok, admissible, verbs, prompt_len: int, budget: int = 1 << 30):
+    """A ``prefix_allowed_tokens_fn`` for ``model.generate`` (one sequence), or None when the
+    tokenizer has no tags to constrain with."""
+    c = ActionConstraint(tok, tuple(admissible), tuple(verbs), budget)
+    if not c.active:
+        return None
+
+    def fn(batch_id, input_ids):
+        return c.allowed(input_ids[prompt_len:].tolist())
+
+    return fn
