@@ -23,7 +23,7 @@ from evoharness.harness.experience import Experience
 from evoharness.harness.workspace import META_VERBS, HarnessConfig, Workspace
 from evoharness.reward import RewardConfig, components, total
 
-PROMPT_VERSION = 1
+PROMPT_VERSION = 2
 HISTORY = 10
 
 VERB_HELP = {
@@ -79,12 +79,14 @@ def build_prompt(view: TurnView) -> str:
     if view.examples:
         parts.append(f"EXAMPLES:\n{view.examples}")
     parts += [
-        f"OBJECTIVE: {view.objective}",
         f"OBSERVATION: {view.observation}",
         "ADMISSIBLE COMMANDS: " + " | ".join(view.admissible),
         "LAST ACTIONS: " + ("; ".join(view.last_actions) if view.last_actions else "none"),
     ]
     parts += [f"{name}: {text}" for name, text in view.panels]
+    # The objective comes last, next to the reply: a small model finds the words it must copy
+    # (the object, the receptacle) at a short, steady distance.
+    parts.append(f"OBJECTIVE: {view.objective}")
     return "\n".join(parts) + "\n"
 
 
@@ -93,7 +95,7 @@ def add_examples(prompt: str, examples: str) -> str:
     pairs from stored demos); ``tests/test_pairs.py`` checks the two agree byte for byte."""
     if not examples:
         return prompt
-    head, sep, rest = prompt.partition("\nOBJECTIVE: ")
+    head, sep, rest = prompt.partition("\nOBSERVATION: ")
     return f"{head}\nEXAMPLES:\n{examples}{sep}{rest}"
 
 

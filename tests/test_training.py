@@ -150,7 +150,7 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
         out = ro([a] * 6 + [b] * 6, trainer)
     assert len(out["prompt_ids"]) == 12 and len(out["episode_reward"]) == 12
     texts = [tok.decode(p) for p in out["prompt_ids"]]
-    objective = lambda t: t.split("OBJECTIVE : ")[1].split("OBSERVATION : ")[0]  # the field, not the system text  # noqa: E731
+    objective = lambda t: t.split("OBJECTIVE : ")[-1]  # the field (the last line), not the system text  # noqa: E731
     # rows 0-5 are game a's group, rows 6-11 game b's: one objective per group, two different games
     assert len({objective(t) for t in texts[:6]}) == 1 and len({objective(t) for t in texts[6:]}) == 1
     assert objective(texts[0]) != objective(texts[6])  # a Pick task and a Heat task: never the same text
@@ -295,3 +295,28 @@ def test_batched_decoding_matches_one_prompt_at_a_time(trained):
         assert [g.completion_ids for g in got] == [r.completion_ids for r in ref]
         assert [g.prompt_ids for g in got] == [r.prompt_ids for r in ref]
         assert max(abs(x - y) for g, r in zip(got, ref) for x, y in zip(g.logprobs, r.logprobs)) < 1e-4
+
+
+def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tmp_path):
+    """``pretrain_epochs``: language modelling on the demos' prompts before SFT. The replies are
+    never in its data, and the pretrained base predicts held-in prompt text better than the seed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evoharness.chat_format import render
+    from evoharness.training.tiny import make_tiny_base
+
+    demos = trained["dir"] / "demos" / "demos.jsonl"
+    seedonly = make_tiny_base(demos, tmp_path / "seed", TINY, 0)
+    info = make_tiny_base(demos, tmp_path / "pre", {**TINY, "pretrain_epochs": 4, "pretrain_lr": 1e-2}, 0)
+    assert seedonly["pretrain"] == {} and info["pretrain"]["steps"] > 0 and info["pretrain"]["prompts"] > 0
+    assert info["pretrain"]["last_loss"] < info["pretrain"]["first_loss"]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "pre")
+    prompt = json.loads(demos.read_text().splitlines()[0])["turns"][1]["prompt"]
+    ids = tok(render(tok, prompt), add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def loss(folder):
+        with torch.no_grad():
+            return float(AutoModelForCausalLM.from_pretrained(folder)(ids, labels=ids).loss)
+
+    assert loss(tmp_path / "pre") < loss(tmp_path / "seed") - 0.5

@@ -35,7 +35,7 @@ class BatchedGenerator:
     ACTIVE_S = 5.0  # a thread that asked within this many seconds is expected in the next batch
 
     def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
-                 max_batch: int = 32, wait_s: float = 0.03):
+                 max_batch: int = 32, wait_s: float = 0.08):
         import torch
 
         from evoharness.policies.hf import stop_ids
@@ -101,12 +101,6 @@ class BatchedGenerator:
         return batch
 
     # -- decoding --------------------------------------------------------------------------
-    def _mask(self, allowed: list[int]):
-        torch = self._torch
-        m = torch.zeros(self.vocab, dtype=torch.bool)
-        m[allowed] = True
-        return m
-
     def _run(self, batch: list[_Request]) -> None:
         from evoharness.policies.hf import Sample
 
@@ -136,36 +130,40 @@ class BatchedGenerator:
         gens = [torch.Generator().manual_seed(int(r.seed)) if (self.sample and r.seed is not None) else None for r in batch]
         comps: list[list[int]] = [[] for _ in batch]
         logps: list[list[float]] = [[] for _ in batch]
-        live = [True] * n
         with torch.no_grad():
             out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             last_pos = pos[:, -1]
+            rows = list(range(n))  # batch rows still decoding, in the order of the cache's rows
             for _ in range(self.max_new_tokens):
-                nxt = torch.full((n,), self.pad, dtype=torch.long)
-                for i, r in enumerate(batch):
-                    if not live[i]:
-                        continue
-                    row = logits[i]
-                    if self.sample:
-                        row = row / self.temperature
-                    if r.constraint is not None:
-                        allowed = self._mask(r.constraint.allowed(comps[i]))
-                        row = row.masked_fill(~allowed, float("-inf"))
-                    lp = torch.log_softmax(row, -1)
-                    if self.sample:
-                        t = int(torch.multinomial(lp.exp(), 1, generator=gens[i]))
-                    else:
-                        t = int(lp.argmax())
+                scores = logits / self.temperature if self.sample else logits
+                allowed = torch.ones_like(scores, dtype=torch.bool)
+                for k, i in enumerate(rows):
+                    c = batch[i].constraint
+                    if c is not None:
+                        allowed[k] = False
+                        allowed[k, c.allowed(comps[i])] = True
+                lp = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+                if self.sample:
+                    picks = [int(torch.multinomial(lp[k].exp(), 1, generator=gens[i])) for k, i in enumerate(rows)]
+                else:
+                    picks = lp.argmax(-1).tolist()
+                keep = []
+                for k, (i, t) in enumerate(zip(rows, picks)):
                     comps[i].append(t)
-                    logps[i].append(float(lp[t]))
-                    nxt[i] = t
-                    if t in self.stops:
-                        live[i] = False
-                if not any(live):
+                    logps[i].append(float(lp[k, t]))
+                    if t not in self.stops:
+                        keep.append(k)
+                if not keep:
                     break
-                attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long)], 1)
+                nxt = torch.tensor([picks[k] for k in keep], dtype=torch.long)
+                if len(keep) < len(rows):  # finished rows leave the batch and its cache
+                    idx = torch.tensor(keep, dtype=torch.long)
+                    past.batch_select_indices(idx)
+                    attn, last_pos = attn[idx], last_pos[idx]
+                    rows = [rows[k] for k in keep]
+                attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long)], 1)
                 last_pos = last_pos + 1
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None], past_key_values=past, use_cache=True)
                 past = out.past_key_values

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_THINK = 32  # tokens of free text before ``</think>`` is forced
+MAX_THINK = 24  # tokens of free text before ``</think>`` is forced (the teacher's thoughts are at most 16)
 MAX_ARG = 12  # tokens of a meta-action's argument before ``</action>`` is forced
 
 

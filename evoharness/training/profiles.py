@@ -28,6 +28,8 @@ class BaseModelSpec(_Strict):
     kv_heads: int = Field(2, ge=1)
     max_length: int = Field(1024, ge=64)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    pretrain_epochs: float = Field(0, ge=0, description="tiny: epochs of language modelling on the demos' prompts before SFT")
+    pretrain_lr: float = Field(3e-3, gt=0)
 
     @model_validator(mode="after")
     def _check(self):

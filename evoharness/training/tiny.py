@@ -85,10 +85,71 @@ def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int) -> dict:
     model = build_model(len(tok), cfg, seed)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out)
+    pre = {}
+    if cfg.get("pretrain_epochs", 0) > 0:
+        prompts = [t["prompt"] for r in records for t in r.get("turns", [])]
+        pre = pretrain(model, tok, prompts, cfg, seed)
     model.save_pretrained(out, safe_serialization=True)
-    info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed}
+    info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed, "pretrain": pre}
     (out / "base_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info
+
+
+def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
+    """Language modelling on the games' text: the tiny base's stand-in for a pretrained model's
+    pretraining. Only the prompts the policy reads (observations, admissible commands, histories,
+    panels), never the teacher's replies, so SFT still learns every decision from its own loss.
+
+    Without it a 2-layer model trained on replies alone does not learn to look back at its
+    context: it answers with the most frequent object whatever the objective names. The prompts
+    repeat names from one field in another (observation, commands, history, plan, hints), which
+    teaches exactly that copying."""
+    import math
+    import random
+    import time
+
+    import torch
+
+    from evoharness.chat_format import render
+
+    torch.set_num_threads(max(1, int(cfg.get("threads", 2))))
+    torch.manual_seed(seed)
+    seqs = [tok(render(tok, p), add_special_tokens=False)["input_ids"][: cfg["max_length"]] for p in prompts]
+    batch, lr = 16, float(cfg.get("pretrain_lr", 3e-3))
+    order = list(range(len(seqs)))
+    steps = max(1, math.ceil(cfg["pretrain_epochs"] * len(seqs) / batch))
+    warmup = max(1, steps // 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    rng = random.Random(seed)
+    model.train()
+    t0, losses, tokens, k = time.time(), [], 0, len(order)
+    for step in range(steps):
+        if k + batch > len(order):
+            rng.shuffle(order)
+            k = 0
+        rows = [seqs[i] for i in order[k : k + batch]]
+        k += batch
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)] = torch.tensor(r)
+            mask[j, : len(r)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        tokens += int(mask.sum())
+    model.eval()
+    wall = time.time() - t0
+    return {"prompts": len(prompts), "epochs": cfg["pretrain_epochs"], "steps": steps, "first_loss": round(losses[0], 4),
+            "last_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4), "tokens_per_s": round(tokens / max(wall, 1e-6), 1), "seconds": round(wall, 1)}
 
 
 def roundtrip_ok(tok, text: str) -> bool:
