@@ -30,6 +30,7 @@ MICRO = {
                  "max_new_tokens": 16, "max_steps_per_episode": 3, "save_steps": 1},
         "eval_games_per_family": 1,
         "eval_max_steps": 6,
+        "episode_workers": 2,
     }},
     "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05}}},
 }

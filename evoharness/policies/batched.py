@@ -44,13 +44,11 @@ class BatchedGenerator:
         self.sample, self.temperature, self.max_new_tokens = sample, temperature, max_new_tokens
         self.constrained, self.max_batch, self.wait_s = constrained, max_batch, wait_s
         self.stops = set(stop_ids(tok))
-        self.vocab = model.get_input_embeddings().weight.shape[0]
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self._cv = threading.Condition()
         self._pending: list[_Request] = []
         self._leading = False
         self._seen: dict[int, float] = {}
-        self._free_mask = None
         self._torch = torch
         self.batches = 0
         self.rows = 0
