@@ -320,3 +320,7 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
             return float(AutoModelForCausalLM.from_pretrained(folder)(ids, labels=ids).loss)
 
     assert loss(tmp_path / "pre") < loss(tmp_path / "seed") - 0.5
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"episode_id": "x", "turns": []}) + "\n")
+    with pytest.raises(EvoError, match=r"empty.jsonl has no turns to pretrain on"):
+        make_tiny_base(empty, tmp_path / "none", {**TINY, "pretrain_epochs": 1}, 0)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from evoharness.data import tokens
+from evoharness.errors import EvoError
 
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -88,6 +89,8 @@ def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int) -> dict:
     pre = {}
     if cfg.get("pretrain_epochs", 0) > 0:
         prompts = [t["prompt"] for r in records for t in r.get("turns", [])]
+        if not prompts:
+            raise EvoError(f"base model: {demos} has no turns to pretrain on (pretrain_epochs is {cfg['pretrain_epochs']})")
         pre = pretrain(model, tok, prompts, cfg, seed)
     model.save_pretrained(out, safe_serialization=True)
     info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed, "pretrain": pre}
