@@ -23,7 +23,7 @@ from evoharness.harness.experience import Experience
 from evoharness.harness.workspace import META_VERBS, HarnessConfig, Workspace
 from evoharness.reward import RewardConfig, components, total
 
-PROMPT_VERSION = 2
+PROMPT_VERSION = 3
 HISTORY = 10
 
 VERB_HELP = {

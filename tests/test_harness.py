@@ -32,6 +32,23 @@ def test_belief_tracks_receptacles_objects_opened_and_held():
     assert "cabinet 1" not in b.visited  # a failed action teaches nothing
 
 
+def test_track_ranks_unvisited_receptacles_by_where_experience_found_the_object():
+    bank = Experience.seeded()
+    bank.apply([{"op": "add", "category": "search_priorities", "key": "apple", "text": "apple is usually in: fridge (3), microwave (1)"}])
+    assert bank.where_counts("where is the apple") == {"fridge": 3, "microwave": 1} and bank.where_counts("mug") == {}
+    ws = Workspace(HarnessConfig(), bank)
+    ws.start(INTRO)
+    assert ws.handle("track", "apple") == (True, "track: not seen yet: apple; unvisited: fridge 1, microwave 1, cabinet 1, countertop 1")
+    assert ws.handle("track", "mug")[1].endswith("unvisited: cabinet 1, countertop 1, fridge 1, microwave 1")  # no priority: room order
+    assert ws.views()["RESULT"].startswith("track: not seen yet")
+    ws.observe("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")
+    assert ws.views()["RESULT"] == "none"  # an env action moves on: the answer was for the turn before
+    assert ws.handle("track", "apple")[1].endswith("unvisited: microwave 1, cabinet 1, countertop 1")
+    no_e = Workspace(HarnessConfig(experience=False), bank)  # the ablation without Experience: room order
+    no_e.start(INTRO)
+    assert no_e.handle("track", "apple")[1].endswith("unvisited: cabinet 1, countertop 1, fridge 1, microwave 1")
+
+
 def test_progress_commit_marks_open_done_and_caps_open():
     p = Progress()
     assert p.commit("find apple").startswith("now: find apple")

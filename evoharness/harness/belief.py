@@ -65,18 +65,24 @@ class Belief:
         if action.startswith("use "):
             self.states[action[len("use ") :]] = "on"
 
-    def unvisited(self) -> list[str]:
-        return [r for r in self.receptacles if r not in self.visited]
+    def unvisited(self, priority: dict[str, int] | None = None) -> list[str]:
+        """Receptacles not yet visited; with ``priority`` (receptacle type -> times the sought
+        object was found in one, from Experience), likeliest first, room order breaking ties."""
+        left = [r for r in self.receptacles if r not in self.visited]
+        if priority:
+            left.sort(key=lambda r: -priority.get(r.rsplit(" ", 1)[0], 0))
+        return left
 
-    def answer(self, query: str) -> str:
-        """``track [query]``: where things are. An empty query gives the whole summary."""
+    def answer(self, query: str, priority: dict[str, int] | None = None) -> str:
+        """``track [query]``: where things are. An empty query gives the whole summary; an object
+        not seen yet gives the unvisited receptacles, ranked by ``priority`` when given."""
         q = query.strip().lower()
         words = [w for w in re.findall(r"[a-z]+", q) if w not in {"where", "is", "the", "a", "an", "my", "find"}]
         lines = []
         if not words or any(w in ("all", "state", "scene", "belief") for w in words):
             return self.summary()
         if any(w in ("unvisited", "unexplored", "unchecked", "left") for w in words):
-            return "unvisited: " + (", ".join(self.unvisited()) or "none")
+            return "unvisited: " + (", ".join(self.unvisited(priority)) or "none")
         if any(w in ("held", "holding", "inventory", "carrying", "hand") for w in words):
             return f"holding: {self.held or 'nothing'}"
         for o, r in sorted(self.objects.items()):
@@ -85,7 +91,7 @@ class Belief:
         if self.held and any(w in self.held for w in words):
             lines.append(f"{self.held} held")
         if not lines:
-            return f"not seen yet: {' '.join(words)}; unvisited: {', '.join(self.unvisited()[:6]) or 'none'}"
+            return f"not seen yet: {' '.join(words)}; unvisited: {', '.join(self.unvisited(priority)[:6]) or 'none'}"
         return "; ".join(lines[:8])
 
     def summary(self) -> str:

@@ -87,6 +87,16 @@ class Experience:
             return f"no {intent} experience yet", []
         return " | ".join(e.text for e in top), [e.id for e in top]
 
+    def where_counts(self, query: str) -> dict[str, int]:
+        """Receptacle type -> times found, from the search priority of the first object type
+        named in ``query`` that has one ({} when none does)."""
+        words = re.findall(r"[a-z]+", query.lower())
+        prio = {e.key: e for e in self.by_category("search_priorities")}
+        for w in words:
+            if w in prio:
+                return {r: int(n) for r, n in re.findall(r"(\w+) \((\d+)\)", prio[w].text)}
+        return {}
+
     def by_category(self, cat: str) -> list[Entry]:
         return [e for e in self.entries if e.category == cat]
 

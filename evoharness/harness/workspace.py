@@ -62,7 +62,11 @@ class Workspace:
             self.recalled.extend(ids)
 
     def observe(self, action: str, observation: str) -> None:
+        """An env action ran: Belief reads its observation, and RESULT goes back to ``none``, so
+        RESULT only ever answers the meta-action of the turn before (a stale answer, shown
+        after the agent has moved on, reads the same as a fresh one)."""
         self.belief.observe(action, observation)
+        self.result = ""
 
     def handle(self, verb: str, arg: str) -> tuple[bool, str]:
         """Answer a meta-action; (valid, text shown next turn). A disabled verb is invalid."""
@@ -70,7 +74,7 @@ class Workspace:
             return False, "Nothing happens."
         arg = arg.strip()
         if verb == "track":
-            out = self.belief.answer(arg)
+            out = self.belief.answer(arg, self.search_priority(arg))
         elif verb == "commit":
             out = self.progress.commit(arg)
         elif verb == "recall":
@@ -87,6 +91,13 @@ class Workspace:
             out = "noted"
         self.result = f"{verb}: {out}"
         return True, self.result
+
+    def search_priority(self, query: str) -> dict[str, int]:
+        """Where Experience says the object named in ``query`` is usually found: Belief ranks its
+        unvisited receptacles by it (the B and E of the workspace working together)."""
+        if self.bank is None or not self.config.experience:
+            return {}
+        return self.bank.where_counts(query)
 
     def views(self) -> dict[str, str]:
         """The panels the prompt shows this turn (empty dict in env_only)."""
