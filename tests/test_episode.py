@@ -88,9 +88,17 @@ def test_teacher_uses_every_verb_and_wins_in_inline_mode(games_root, pool):
     assert all(t.outcome["won"] for t in trajs), [t.game_id for t in trajs if not t.outcome["won"]]
     used = {v for t in trajs for v, n in t.outcome["calls"].items() if n}
     assert used == {"track", "commit", "recall", "note"}
+    searches = 0
     for t in trajs:
         assert t.turns[0].action.startswith("recall") and t.found_in
+        # Every search move follows a track of the sought object and goes where its answer points first.
+        for prev, turn in zip(t.turns, t.turns[1:]):
+            if prev.action.startswith("track ") and "unvisited: " in turn.prompt.split("RESULT: ")[1] and turn.action.startswith("go to "):
+                first = turn.prompt.split("unvisited: ")[1].split(",")[0].split("\n")[0]
+                assert turn.action == f"go to {first}", (t.game_id, turn.action, first)
+                searches += 1
         assert all(x.prompt.startswith("You are a household agent") for x in t.turns)
+    assert searches >= len(trajs)
     env_only = pool.map(lambda w, g: run_episode(w, g, make_policy(PolicySpec(kind="teacher")), EpisodeConfig(harness=HarnessConfig(mode="env_only")), None, 0), games)
     assert all(t.outcome["won"] and sum(t.outcome["calls"].values()) == 0 for t in env_only)
     assert all("track [query]" not in x.prompt for t in env_only for x in t.turns)

@@ -2,7 +2,11 @@
 a good agent would use them.
 
 recall at the start; commit each subgoal as the task moves on; note after finding and taking
-the target; track when re-planning (a long fruitless search, or after a detour). ``noise``
+the target; track before every search move (and after a detour), then go to the first
+receptacle of Belief's answer: the unvisited ones, ranked by where Experience says the object
+usually is. That replaces the expert's own search order, which reads the room listing of the
+first turn and the expert's private bookkeeping: the student can see neither, but it can see
+the answer to ``track``. ``noise``
 replaces an expert step by a random admissible command, so that some demos fail, as the
 paper's teacher did (87 of 500 kept).
 """
@@ -15,7 +19,6 @@ import re
 from evoharness.episode import Privileged, TurnView, format_response
 from evoharness.harness.consolidate import object_type
 
-SEARCH_PATIENCE = 4  # fruitless receptacle visits before re-planning with track
 # The think of a noise step (a random admissible command). SFT pairs skip these turns as targets:
 # they stay in later turns' history, but the student is not taught to act at random.
 DETOUR_THINK = "I try something else here."
@@ -69,7 +72,6 @@ class TeacherPolicy:
         self.rng = random.Random(f"teacher/{seed}/{self.noise}")
         self.queue: list[tuple[str, str]] = []
         self.started = False
-        self.fruitless = 0
         self.placed = 0
         self.detoured = False
 
@@ -95,7 +97,6 @@ class TeacherPolicy:
             nxt = _next_subgoal(p.family, t, "took")
             if nxt:
                 self._queue(verbs, "commit", nxt, f"I have the {obj}; next I {nxt}.")
-            self.fruitless = 0
         elif re.match(r"(clean|heat|cool) ", last) and obj in last:
             nxt = _next_subgoal(p.family, t, "transformed")
             self._queue(verbs, "commit", nxt, f"The {obj} is ready; next I {nxt}.")
@@ -105,13 +106,25 @@ class TeacherPolicy:
                 nxt = _next_subgoal(p.family, t, "placed_first")
                 if nxt:
                     self._queue(verbs, "commit", nxt, f"One {obj} is placed; next I {nxt}.")
-        elif last.startswith("go to ") and p.workspace.belief.held is None:
-            seen = f" {obj} " in f" {obs} "
-            self.fruitless = 0 if seen else self.fruitless + 1
-            if self.fruitless >= SEARCH_PATIENCE or self.detoured:
-                self.fruitless = 0
-                self.detoured = False
+        if self.detoured:  # back from a random step: re-read Belief before searching on
+            self.detoured = False
+            if p.workspace.belief.held is None:
                 self._queue(verbs, "track", obj, f"I have not found the {obj} yet; let me check what I know.")
+
+    def _sought(self, p: Privileged) -> str | None:
+        """The object type being searched for, or None when nothing is (it is held, or seen)."""
+        t, belief = p.target, p.workspace.belief
+        if belief.held is None:
+            sought = t["object"]
+        elif p.family == "look_at_obj_in_light" and t.get("toggle") and belief.held.startswith(f"{t['object']} "):
+            sought = t["toggle"]
+        else:
+            return None
+        skip = t["receptacle"] if (p.family == "pick_two_obj_and_place" and self.placed) else None
+        for o, r in belief.objects.items():
+            if object_type(o) == sought and (skip is None or object_type(r) != skip):
+                return None  # seen somewhere: the expert walks straight there
+        return sought
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         p, verbs = privileged, view.verbs
@@ -126,6 +139,13 @@ class TeacherPolicy:
             think, action = self.queue.pop(0)
             return format_response(think, action)
         action = p.expert_action
+        sought = self._sought(p) if action and action.startswith("go to ") else None
+        if sought:  # a search move: ask Belief, then go where its answer points first
+            if "track" in verbs and (not view.last_actions or view.last_actions[-1] != f"track {sought}"):
+                return format_response(f"I have not found the {sought} yet; let me check what I know.", f"track {sought}")
+            order = p.workspace.belief.unvisited(p.workspace.search_priority(sought))
+            if order and f"go to {order[0]}" in view.admissible:
+                action = f"go to {order[0]}"
         if action is None or action not in view.admissible or (self.noise and self.rng.random() < self.noise):
             action = self.rng.choice(view.admissible)
             self.detoured = True

@@ -147,7 +147,7 @@ def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         tokens += int(mask.sum())
     model.eval()
     wall = time.time() - t0
