@@ -260,7 +260,7 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
         ws.start(step.observation)
         observation, admissible, expert = step.observation, step.admissible, step.expert_action
         history: list[str] = []
-        meta_seen: set[str] = set()
+        meta_seen: set[str] = set()  # meta-actions since the last env action: a repeat among them is spam
         t = 0
         while steps < cfg.max_steps and t < cfg.turn_limit and not won:
             view = TurnView(
@@ -288,6 +288,7 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
             elif parsed.action in admissible:
                 step = env.step(parsed.action)
                 ws.observe(parsed.action, step.observation)
+                meta_seen.clear()  # the room moved on: asking the same again is no longer spam
                 observation, admissible, expert, won = step.observation, step.admissible, step.expert_action, step.won
                 kind, valid, shown, cost = "env", True, step.observation, 1
                 obj = traj.target.get("object", "")

@@ -2,6 +2,9 @@
 
 R = 10·won + λ_eff·1[won]·(T_max − |τ|)/T_max + λ_div(u)·R_div − λ_spam·min(repeats, 10) − λ_inv·invalid
 λ_div(u) = λ_div_max · ½ · (1 + cos(π · min(u, U) / U))
+
+``repeats`` counts spam: a meta-action identical to one made since the last env action, whose
+answer cannot have changed. ``track egg`` after each fruitless visit is a search, not spam.
 """
 
 from __future__ import annotations

@@ -59,6 +59,14 @@ def test_reward_matches_hand_computation():
     assert total(lost, 0, cfg) == pytest.approx(-1.0 - 0.5)
 
 
+def test_a_repeat_is_the_same_meta_action_again_before_any_env_action(games_root, pool):
+    game = list_games(games_root, "valid_seen")[0]
+    track, look = "<think>x</think>\n<action>track egg</action>", "<think>x</think>\n<action>look</action>"
+    t = run_episode(pool.workers[0], game, Script([track, track, look, track, look]), EpisodeConfig(max_steps=2, max_turns=10), Experience.seeded(), 0)
+    assert [x.kind for x in t.turns] == ["track", "track", "env", "track", "env"]
+    assert t.outcome["calls"]["track"] == 3 and t.outcome["repeats"] == 1  # the second call only: the third follows a step
+
+
 def test_invalid_outputs_cost_a_step_and_say_nothing_happens(games_root, pool):
     game = list_games(games_root, "valid_seen")[0]
     policy = Script(["no tags at all", "<think>x</think>\n<action>fly to the moon</action>", "<think>x</think>\n<action>look</action>"])
