@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 _ITEM = re.compile(r"\ban? ([a-z]+(?: [a-z]+)*? \d+)")
 
 
+def object_type(name: str) -> str:
+    """``cabinet 3`` -> ``cabinet``: the type behind an instance name."""
+    return re.sub(r"\s*\d+$", "", name.strip())
+
+
 def _items(text: str) -> list[str]:
     return _ITEM.findall(text)
 
@@ -70,7 +75,7 @@ class Belief:
         object was found in one, from Experience), likeliest first, room order breaking ties."""
         left = [r for r in self.receptacles if r not in self.visited]
         if priority:
-            left.sort(key=lambda r: -priority.get(r.rsplit(" ", 1)[0], 0))
+            left.sort(key=lambda r: -priority.get(object_type(r), 0))
         return left
 
     def answer(self, query: str, priority: dict[str, int] | None = None) -> str:

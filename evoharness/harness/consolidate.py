@@ -11,7 +11,8 @@ import json
 import re
 from collections import Counter, defaultdict
 
-from evoharness.harness.experience import CATEGORIES, Experience, _tokens
+from evoharness.harness.belief import object_type
+from evoharness.harness.experience import CATEGORIES, Experience, _tokens, priority_counts
 
 FAMILY_RECIPES = {
     "pick_and_place_simple": "find the {obj}, take it, go to the {recep}, move it there.",
@@ -21,11 +22,6 @@ FAMILY_RECIPES = {
     "pick_cool_then_place_in_recep": "find the {obj}, take it, cool it with the fridge, go to the {recep}, move it there.",
     "pick_two_obj_and_place": "find one {obj}, take it, move it to the {recep}; then find a second {obj} and do the same.",
 }
-
-
-def object_type(name: str) -> str:
-    """``cabinet 3`` -> ``cabinet``: the type behind an instance name."""
-    return re.sub(r"\s*\d+$", "", name.strip())
 
 
 def _similar(a: str, b: str) -> float:
@@ -65,8 +61,7 @@ def rule_edits(bank: Experience, evidence: list[dict]) -> list[dict]:
     for obj, counts in sorted(found.items()):
         existing = next((x for x in bank.by_category("search_priorities") if x.key == obj), None)
         if existing is not None:
-            prior = Counter(dict(re.findall(r"(\w+) \((\d+)\)", existing.text)))
-            prior = Counter({k: int(v) for k, v in prior.items()})
+            prior = Counter(priority_counts(existing.text))
             prior.update(counts)
             counts = prior
         text = f"{obj} is usually in: " + ", ".join(f"{r} ({n})" for r, n in counts.most_common(4))

@@ -35,6 +35,11 @@ def _tokens(text: str) -> set[str]:
     return {re.sub(r"s$", "", w) for w in re.findall(r"[a-z]+", text.lower()) if w not in _STOP}
 
 
+def priority_counts(text: str) -> dict[str, int]:
+    """``apple is usually in: fridge (3), countertop (1)`` -> {"fridge": 3, "countertop": 1}."""
+    return {r: int(n) for r, n in re.findall(r"(\w+) \((\d+)\)", text)}
+
+
 def route(query: str) -> tuple[str, tuple[str, ...]]:
     words = set(re.findall(r"[a-z]+", query.lower()))
     for intent, (cues, cats) in INTENTS.items():
@@ -94,7 +99,7 @@ class Experience:
         prio = {e.key: e for e in self.by_category("search_priorities")}
         for w in words:
             if w in prio:
-                return {r: int(n) for r, n in re.findall(r"(\w+) \((\d+)\)", prio[w].text)}
+                return priority_counts(prio[w].text)
         return {}
 
     def by_category(self, cat: str) -> list[Entry]:

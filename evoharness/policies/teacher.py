@@ -17,7 +17,7 @@ import random
 import re
 
 from evoharness.episode import Privileged, TurnView, format_response
-from evoharness.harness.consolidate import object_type
+from evoharness.harness.belief import object_type
 
 # The think of a noise step (a random admissible command). SFT pairs skip these turns as targets:
 # they stay in later turns' history, but the student is not taught to act at random.
