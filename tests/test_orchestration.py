@@ -118,6 +118,20 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     git(["add", "-A"], project)
     git(["commit", "-q", "-m", "retrain"], project)
 
+    # Each training stage depends on its own slice of its own profile: a GRPO-only change leaves the
+    # base model and SFT up to date, and the other profile's changes touch nothing here.
+    text = (project / "params.yaml").read_text()
+    p = yaml.safe_load(text)
+    p["profiles"]["tiny-cpu"]["grpo"]["learning_rate"] *= 2
+    p["profiles"]["qwen3-8b-h200"] = {"base": {"kind": "pretrained", "path": "/nowhere"}, "launcher": "local", "num_processes": 1,
+                                      "deepspeed_config": "", "decoding": "constrained", "episode_workers": 1}
+    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    try:
+        assert set(json.loads(dvc(["status", "--json"], project) or "{}")) == {"grpo", "evaluate"}
+    finally:
+        (project / "params.yaml").write_text(text)
+    assert json.loads(dvc(["status", "--json"], project) or "{}") == {}
+
 
 def test_a_pool_worker_runs_the_sft_job_and_the_orchestrator_gets_its_outputs_by_hash(prefect_server, project, tmp_path):
     from prefect import flow
