@@ -149,6 +149,10 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
         (d / "ro").mkdir(exist_ok=True)
         out = ro([a] * 6 + [b] * 6, trainer)
     assert len(out["prompt_ids"]) == 12 and len(out["episode_reward"]) == 12
+    # The loss covers the tokens the policy chose; those the constraint forced (log-prob exactly 0) are masked.
+    assert all(len(m) == len(c) == len(lp) for m, c, lp in zip(out["env_mask"], out["completion_ids"], out["logprobs"]))
+    assert all(m == [int(x != 0.0) for x in lp] for m, lp in zip(out["env_mask"], out["logprobs"]))
+    assert all(m[0] == 0 for m in out["env_mask"]) and any(sum(m) for m in out["env_mask"])  # '<think>' is forced; replies have choices
     texts = [tok.decode(p) for p in out["prompt_ids"]]
     objective = lambda t: t.split("OBJECTIVE : ")[-1]  # the field (the last line), not the system text  # noqa: E731
     # rows 0-5 are game a's group, rows 6-11 game b's: one objective per group, two different games

@@ -9,7 +9,8 @@ engine and the environment workers play whole episodes with the live weights.
 A group is ``rollouts`` episodes of the same game. From each episode ``turns_per_rollout`` turns are
 drawn as training rows, all carrying the episode's reward, so a group holds
 ``rollouts × turns_per_rollout`` rows (GRPO's ``num_generations``); normalising advantages over the
-group is normalising over its episodes. Meta-actions are charged a step. The Experience bank is
+group is normalising over its episodes. Only the tokens the policy chose carry the loss: those the
+decoding constraint forced are masked (``env_mask``). Meta-actions are charged a step. The Experience bank is
 read-only during a batch and consolidated between batches.
 """
 
@@ -110,7 +111,7 @@ class Rollouts:
         results = self.pool.map(play, jobs)
         model.train(was_training)
         self.calls += 1
-        rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "episode_reward": [], "episode_won": []}
+        rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "episode_reward": [], "episode_won": []}
         rng = random.Random(f"{self.seed}/{u}/{self.calls}")
         for (traj, turns) in results:
             r = float(traj.reward["total"])
@@ -121,6 +122,7 @@ class Rollouts:
                 rows["prompt_ids"].append(s.prompt_ids)
                 rows["completion_ids"].append(s.completion_ids or [self.tok.eos_token_id])
                 rows["logprobs"].append(s.logprobs or [0.0])
+                rows["env_mask"].append(decision_mask(s.logprobs or [0.0]))
                 rows["episode_reward"].append(r)
                 rows["episode_won"].append(bool(traj.outcome["won"]))
         expected = len(blocks) * n_gen
@@ -151,6 +153,16 @@ class Rollouts:
         }
         with open(self.curve, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def decision_mask(logprobs: list[float]) -> list[int]:
+    """TRL's ``env_mask`` for a completion: 0 where the token had probability 1 under the constrained
+    distribution it was sampled from (log-probability exactly 0), 1 elsewhere. Such a token was forced
+    by the constraint (the reply's ``<think>``, ``</think><action>``, the rest of a command once it is
+    determined): no decision, so no advantage should flow through it, since pushing its unconstrained
+    probability up or down only changes what the constraint overrides. (A free choice made with
+    certainty in float32 is masked too; its gradient is zero anyway.)"""
+    return [0 if lp == 0.0 else 1 for lp in logprobs]
 
 
 def episode_reward(prompts, completions, episode_reward, **kwargs):
@@ -209,6 +221,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         max_steps=n_steps,
         learning_rate=g.learning_rate,
         beta=g.beta,
+        scale_rewards=g.scale_rewards,
         temperature=g.temperature,
         max_completion_length=g.max_new_tokens,
         logging_steps=1,

@@ -66,6 +66,9 @@ class GRPOSpec(_Strict):
     steps: int = Field(150, ge=1)
     learning_rate: float = Field(1e-6, gt=0)
     beta: float = Field(0.01, ge=0, description="KL coefficient")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantage scaling (TRL): 'group' divides by the group's reward std, which in a group that all "
+        "failed blows the small diversity/spam differences up to the size of a win; 'none' (Dr. GRPO) keeps a win worth 10")
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(512, ge=8)
     max_steps_per_episode: int = Field(70, ge=1)
