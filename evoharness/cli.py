@@ -312,6 +312,7 @@ def base_model(
     out: Path = typer.Option(Path("data/models/base")),
     demos: Path = typer.Option(Path("data/demos/demos.jsonl")),
     profile: Optional[str] = typer.Option(None, help="profile name (params profile)"),
+    timing: Optional[Path] = typer.Option(None, help="wall-clock figures of pretraining (kept out of the hashed output)"),
     params: str = PARAMS,
 ):
     """Make the profile's base model: tiny (built from a config, seeded) or a pretrained path."""
@@ -322,7 +323,7 @@ def base_model(
     if prof.base.kind == "tiny":
         from evoharness.training.tiny import make_tiny_base
 
-        info = make_tiny_base(demos, out, prof.base.model_dump(), seed)
+        info = make_tiny_base(demos, out, prof.base.model_dump(), seed, timing)
         typer.echo(f"tiny base: {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
         return
     src = Path(prof.base.path)

@@ -312,9 +312,14 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
 
     demos = trained["dir"] / "demos" / "demos.jsonl"
     seedonly = make_tiny_base(demos, tmp_path / "seed", TINY, 0)
-    info = make_tiny_base(demos, tmp_path / "pre", {**TINY, "pretrain_epochs": 4, "pretrain_lr": 1e-2}, 0)
+    pre = {**TINY, "pretrain_epochs": 4, "pretrain_lr": 1e-2}
+    info = make_tiny_base(demos, tmp_path / "pre", pre, 0, timing=tmp_path / "t.json")
     assert seedonly["pretrain"] == {} and info["pretrain"]["steps"] > 0 and info["pretrain"]["prompts"] > 0
     assert info["pretrain"]["last_loss"] < info["pretrain"]["first_loss"]
+    # A re-run gives the same bytes (DVC the same hash): the wall clock goes to the timing file only.
+    make_tiny_base(demos, tmp_path / "again", pre, 0)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "pre").iterdir()} == {f.name: f.read_bytes() for f in (tmp_path / "again").iterdir()}
+    assert json.loads((tmp_path / "t.json").read_text())["seconds"] > 0 and "seconds" not in (tmp_path / "pre" / "base_info.json").read_text()
     tok = AutoTokenizer.from_pretrained(tmp_path / "pre")
     prompt = json.loads(demos.read_text().splitlines()[0])["turns"][1]["prompt"]
     ids = tok(render(tok, prompt), add_special_tokens=False, return_tensors="pt")["input_ids"]

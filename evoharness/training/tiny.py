@@ -75,8 +75,11 @@ def build_model(vocab_size: int, cfg: dict, seed: int):
     return Qwen3ForCausalLM(config)
 
 
-def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int) -> dict:
-    """Tokenizer + model from the demos' prompts and responses and the world's vocabulary."""
+def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int, timing: Path | None = None) -> dict:
+    """Tokenizer + model from the demos' prompts and responses and the world's vocabulary.
+
+    ``out`` holds only what the seed and inputs determine, so a re-run gives the same bytes (and DVC
+    the same hash); wall-clock figures go to ``timing``, outside the hashed output."""
     from evoharness.rollout import read_jsonl
 
     records, _ = read_jsonl(demos)
@@ -92,10 +95,14 @@ def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int) -> dict:
         if not prompts:
             raise EvoError(f"base model: {demos} has no turns to pretrain on (pretrain_epochs is {cfg['pretrain_epochs']})")
         pre = pretrain(model, tok, prompts, cfg, seed)
+    clock = {k: pre.pop(k) for k in ("seconds", "tokens_per_s") if k in pre}
     model.save_pretrained(out, safe_serialization=True)
     info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed, "pretrain": pre}
     (out / "base_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-    return info
+    if timing:
+        Path(timing).parent.mkdir(parents=True, exist_ok=True)
+        Path(timing).write_text(json.dumps(clock))
+    return {**info, "timing": clock}
 
 
 def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
