@@ -114,9 +114,24 @@ def load_profile(name: str, params_path: str | Path = "params.yaml") -> Profile:
     profiles = raw.get("profiles") or {}
     if name not in profiles:
         raise EvoError(f"{p}: no profile {name!r} under profiles (known: {', '.join(profiles) or 'none'})")
+    for key in stage_keys(p.parent / "dvc.yaml"):
+        if key not in (profiles[name] or {}):
+            raise EvoError(f"{p}: profiles.{name}.{key} is missing; the stages in dvc.yaml depend on it, so every profile names it")
     try:
         return Profile(name=name, **profiles[name])
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise EvoError(f"{p}: profiles.{name}.{loc}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def stage_keys(dvc_yaml: Path) -> list[str]:
+    """The profile keys the stages of ``dvc_yaml`` list as params (``profiles.${profile}.KEY``); DVC
+    refuses to run a stage whose key is absent, so a profile must name each one. None without the file."""
+    try:
+        stages = (yaml.safe_load(Path(dvc_yaml).read_text()) or {}).get("stages") or {}
+    except FileNotFoundError:
+        return []
+    keys = {str(x).split(".", 2)[2] for st in stages.values() for x in (st.get("params") or [])
+            if isinstance(x, str) and x.startswith("profiles.${profile}.")}
+    return sorted(keys)
