@@ -292,19 +292,41 @@ def _profile(params: str, name: Optional[str]):
     return load_profile(name or load_params(params).profile, params)
 
 
-def _relaunch(profile, argv: list[str]) -> bool:
-    """Re-run this command under accelerate for a multi-GPU profile; True if it did."""
+def _relaunch(profile, argv: list[str], models: dict[str, Path]) -> bool:
+    """Re-run this command under accelerate for a distributed profile; True if it did. The launch,
+    the machine and the stage's input models are checked first (one line each), before any process
+    starts."""
     import subprocess
 
-    from evoharness.training.distributed import launch_argv
+    from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint
+    from evoharness.training.distributed import launch_argv, launch_env
 
     cmd = launch_argv(profile, argv, Path.cwd())
     if cmd is None:
         return False
-    r = subprocess.run(cmd)
+    for what, path in models.items():
+        check_checkpoint(resolve_checkpoint(path), what)
+    r = subprocess.run(cmd, env=launch_env(profile))
     if r.returncode:
-        raise EvoError(f"accelerate launch of {' '.join(argv[:1])} exited with {r.returncode}")
+        raise EvoError(f"accelerate launch of `{' '.join(argv[:1])}` on profile {profile.name} ({profile.num_processes} processes) exited with {r.returncode}")
     return True
+
+
+def _main_echo(line: str) -> None:
+    """One line from the stage, not one per launched process."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(line)
+
+
+def _finish_process(metrics_path: Optional[Path], metrics: dict) -> None:
+    """The main process writes the stage's metrics; every launched process then leaves the group."""
+    from evoharness.training import distributed as dist
+
+    if metrics_path and dist.is_main():
+        _write_json(metrics_path, metrics)
+    dist.finish()
 
 
 @app.command("base-model")
@@ -326,13 +348,16 @@ def base_model(
         info = make_tiny_base(demos, out, prof.base.model_dump(), seed, timing)
         typer.echo(f"tiny base: {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
         return
-    src = Path(prof.base.path)
-    if not (src / "config.json").exists():
-        raise EvoError(f"profile {prof.name}: base model {prof.base.path} is not a local checkpoint; download it once (e.g. huggingface-cli download {prof.base.path} --local-dir models/{Path(prof.base.path).name}) and set profiles.{prof.name}.base.path")
-    from evoharness.policies.hf import write_pointer
+    from evoharness.training.checkpoint import check_checkpoint, write_pointer
+    from evoharness.training.profiles import resolve_model_path
 
-    write_pointer(out, src)
-    typer.echo(f"base: {src} (pointer in {out})")
+    src = resolve_model_path(prof.base.path)
+    if not src.is_dir():
+        raise EvoError(f"profile {prof.name}: base model {prof.base.path} ({src}) does not exist on this machine; put the checkpoint there "
+                       f"(e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir {prof.base.path}`) or set profiles.{prof.name}.base.path")
+    check_checkpoint(src, f"profile {prof.name}: base model")
+    doc = write_pointer(out, src, prof.base.path)
+    typer.echo(f"base: {prof.base.path} ({src}, weights {doc['weights']}); pointer in {out}")
 
 
 @app.command()
@@ -355,12 +380,11 @@ def sft(
     from evoharness.training.sft import train_sft
 
     prof = _profile(params, profile)
-    if _relaunch(prof, _sys.argv[1:]):
+    if _relaunch(prof, _sys.argv[1:], {"sft: base model": base}):
         return
     m = train_sft(pairs_dir, base, out, prof, mode, load_params(params).seed, max_steps, checkpoints, timing)
-    if metrics:
-        _write_json(metrics, m)
-    typer.echo(f"sft ({mode}): {m['steps']} steps, train loss {m['train_loss']}, eval loss {m['eval_loss']}")
+    _finish_process(metrics, m)
+    _main_echo(f"sft ({mode}): {m['steps']} steps, train loss {m['train_loss']}, eval loss {m['eval_loss']}, {m['launch']}")
 
 
 @app.command()
@@ -383,17 +407,16 @@ def grpo(
     from evoharness.config import load_params
 
     prof = _profile(params, profile)
-    if _relaunch(prof, _sys.argv[1:]):
+    if _relaunch(prof, _sys.argv[1:], {"grpo: SFT model": sft_dir}):
         return
     from evoharness.training.grpo import train_grpo
 
     p = load_params(params)
     r = train_grpo(games_root, sft_dir, bank, out, prof, p.episode.reward.model_copy(update={"updates": steps or prof.grpo.steps}), p.seed, p.workers, steps,
                    checkpoints, curve, timing)
-    if metrics:
-        _write_json(metrics, r)
+    _finish_process(metrics, r)
     last = r["last"] or {}
-    typer.echo(f"grpo: {r['steps']} updates, {r['episodes']} episodes; last step success {last.get('success')} calls {last.get('calls_per_episode')}")
+    _main_echo(f"grpo: {r['steps']} updates, {r['episodes']} episodes; last step success {last.get('success')} calls {last.get('calls_per_episode')}")
 
 
 @app.command()

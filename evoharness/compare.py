@@ -53,21 +53,31 @@ def comparison_table(results: dict) -> str:
 
 
 def compare(params_path: str, profile: Profile, games_root: Path, models: Path, bank_path: Path, out: Path, echo: Callable[[str], None] = print) -> dict:
+    """Evaluate the lineup on the profile's machine: one process, the profile's device and dtype,
+    decoded in batches (``generation``: the model's own weights, or vLLM). Each model's results
+    name the weights evaluation loaded (``model_digest``): the promotion gate registers those."""
+    from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint, weights_digest
+    from evoharness.training.distributed import check_machine
+
     p = load_params(params_path)
     bank = Experience.load(bank_path)
     out = Path(out)
+    check_machine(profile.model_copy(update={"num_processes": 1}))  # evaluation uses one GPU
     results: dict = {}
+    digests: dict = {}
     with EnvPool(profile.episode_workers) as pool:
         for label, folder, mode in LINEUP:
-            from evoharness.policies.hf import resolve_checkpoint
-
             path = Path(models) / folder
-            if not (resolve_checkpoint(path) / "config.json").exists():
-                raise EvoError(f"compare: {path} is not a model checkpoint (run its stage first)")
+            try:
+                check_checkpoint(resolve_checkpoint(path), f"compare: model {label}")
+            except EvoError as e:
+                raise EvoError(f"{e} (run its stage first)") from None
+            digests[label] = weights_digest(path)
             cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False}),
                                                "max_steps": profile.eval_max_steps or p.episode.max_steps,
                                                "max_turns": profile.eval_max_turns})
-            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained")
+            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained",
+                              backend=profile.generation, device=profile.device, dtype=profile.base.dtype)
             results[label] = {}
             for split in ("valid_seen", "valid_unseen"):
                 games = per_family(list_games(games_root, split), profile.eval_games_per_family)
@@ -77,7 +87,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
                 r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers, b if mode != "env_only" else None, pool=pool)
                 results[label][split] = r["summary"]
                 echo(format_table(f"{label} {split}", r["summary"]))
-            (out / label / "results.json").write_text(json.dumps(results[label], indent=2))
+            (out / label / "results.json").write_text(json.dumps({**results[label], "model_digest": digests[label]}, indent=2))
     table = comparison_table(results)
     (out / "comparison.md").write_text(table + "\n")
     echo(table)

@@ -147,13 +147,19 @@ def check_lock(root: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process can still hold a lock. A zombie (killed, not yet reaped: in a container
+    whose init does not reap, that can last) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def unlock(root: Path) -> list[int]:

@@ -208,6 +208,12 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, summary: di
     """Register the candidate (once per DVC hash), decide, tag, move aliases, write the report."""
     from mlflow.exceptions import MlflowException
 
+    if summary.get("model_digest"):
+        from evoharness.training.checkpoint import weights_digest
+
+        here = weights_digest(model_dir)
+        if here != summary["model_digest"]:
+            raise EvoError(f"promotion: {model_dir} holds weights {here}, but evaluation loaded {summary['model_digest']}; re-run evaluate")
     try:
         c.get_registered_model(name)
     except MlflowException:

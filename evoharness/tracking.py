@@ -166,6 +166,8 @@ def eval_metrics(results: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for label, splits in results.items():
         for split, s in splits.items():
+            if not isinstance(s, dict):  # model_digest beside the splits
+                continue
             for fam, v in s.items():
                 if not isinstance(v, dict):
                     continue

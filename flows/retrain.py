@@ -19,7 +19,9 @@ from evoharness.tracking import tracking_uri
 from tasks import stages as st
 from tasks import tracking as tr
 
-DISPATCHED = ("sft_inline", "sft_env_only", "grpo")  # what runs on a pool when one is given
+# What runs on a pool when one is given: every stage that reads or makes a model. A pretrained base's
+# weights live on the GPU box (base_model checks them there), and evaluating an 8B model needs its GPUs.
+DISPATCHED = ("base_model", "sft_inline", "sft_env_only", "grpo", "evaluate")
 GATE = "validate"
 
 

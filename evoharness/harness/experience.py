@@ -127,16 +127,21 @@ class Experience:
         tmp.replace(path)  # atomic: a crash mid-write never leaves half a bank
 
     @classmethod
+    def from_json(cls, data: dict) -> "Experience":
+        """The inverse of ``to_json``; raises ValueError/KeyError/TypeError on a malformed document."""
+        bank = cls(updates=int(data["updates"]), next_id=int(data["next_id"]))
+        for raw in data["entries"]:
+            e = Entry(**raw)
+            if e.category not in CATEGORIES:
+                raise ValueError(f"unknown category {e.category!r}")
+            bank.entries.append(e)
+        return bank
+
+    @classmethod
     def load(cls, path: str | Path) -> "Experience":
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-            bank = cls(updates=int(data["updates"]), next_id=int(data["next_id"]))
-            for raw in data["entries"]:
-                e = Entry(**raw)
-                if e.category not in CATEGORIES:
-                    raise ValueError(f"unknown category {e.category!r}")
-                bank.entries.append(e)
+            bank = cls.from_json(json.loads(path.read_text()))
         except FileNotFoundError:
             raise EvoError(f"experience bank {path} does not exist") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -145,7 +150,8 @@ class Experience:
 
     @classmethod
     def load_or_seed(cls, path: str | Path | None) -> "Experience":
-        if path is not None and Path(path).exists():
+        """The bank at ``path``; the seed bank only when no path is given (a mistyped one is an error)."""
+        if path is not None:
             return cls.load(path)
         return cls.seeded()
 

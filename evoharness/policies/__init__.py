@@ -16,7 +16,8 @@ class PolicySpec(BaseModel):
     admissible command instead of the expert's. ``base_url``/``model``/``api_key_env`` (chat):
     any OpenAI-compatible endpoint, the key read from that environment variable. ``path``
     (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding.
-    ``constrained`` (hf): decode under ``policies.constrain`` (the format and a legal action)."""
+    ``constrained`` (hf): decode under ``policies.constrain`` (the format and a legal action).
+    ``backend`` / ``device`` / ``dtype`` (hf): decode with the model's own weights or vLLM, where."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["teacher", "random", "chat", "hf"]
@@ -29,6 +30,9 @@ class PolicySpec(BaseModel):
     temperature: float = 1.0
     max_new_tokens: int = 96
     constrained: bool = True
+    backend: Literal["hf", "vllm"] = "hf"
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 def parse_policy(text: str) -> PolicySpec:
@@ -63,4 +67,5 @@ def make_policy(spec: PolicySpec):
         return ChatPolicy(spec.base_url, spec.model, spec.api_key_env, temperature=spec.temperature if spec.sample else 0.0, max_tokens=spec.max_new_tokens)
     from evoharness.policies.hf import HFPolicy
 
-    return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, constrained=spec.constrained)
+    return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, constrained=spec.constrained,
+                    backend=spec.backend, device=spec.device, dtype=spec.dtype)

@@ -1,10 +1,16 @@
-"""Batched decoding for episodes that run in threads.
+"""Batched decoding for episodes that run in threads, on the policy's own weights or on vLLM.
 
-Every episode thread asks for one response at a time. On CPU a small model's cost per generated
-token is mostly fixed overhead, so decoding the waiting requests of all episodes together costs
-little more than decoding one. ``BatchedGenerator`` has the interface of ``hf.Sampler``: the first
+Every episode thread asks for one response at a time. Decoding the waiting requests of all episodes
+together costs little more than decoding one (on CPU a small model's cost per token is mostly fixed
+overhead; on a GPU a batch fills it). A generator has the interface of ``hf.Sampler``: the first
 thread to ask becomes the batch's leader, waits briefly for the other active episodes' requests,
-decodes them together (left-padded, one KV cache) and hands each thread its own result.
+decodes them together and hands each thread its own result. No lock is held per request.
+
+``BatchedGenerator`` decodes with a transformers model (left-padded, one KV cache); under ZeRO-3 it
+runs on parameters gathered for generation (``unwrap_model_for_generation``), so its forward passes
+need no collective and ranks with different episode lengths never wait on each other.
+``VLLMGenerator`` hands the batch to a vLLM engine (one per process: colocated with training, or
+evaluation's own), each row with its own seed and its constraint as a regular expression.
 
 Each row is decoded under its own ``constrain.ActionConstraint`` and, when sampling, with its own
 seeded generator, so a row's tokens do not depend on which others share its batch (up to float
@@ -13,34 +19,51 @@ rounding of batched matrix products in greedy ties).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 from evoharness.chat_format import render
-from evoharness.policies.constrain import ActionConstraint
+from evoharness.policies.constrain import MAX_ARG, MAX_THINK, ActionConstraint
+
+
+@dataclass
+class Sample:
+    text: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+
+
+def stop_ids(tok) -> list[int]:
+    """End of turn, and ``</action>`` when the tokenizer has it as one token: nothing after the
+    action is parsed, so generating past it only costs time (and can break the one-tag format)."""
+    ids = [tok.eos_token_id]
+    end = tok.convert_tokens_to_ids("</action>")
+    if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
+        ids.append(end)
+    return ids
 
 
 @dataclass
 class _Request:
     ids: list[int]
-    constraint: ActionConstraint | None
+    constraint: object  # the backend's: an ActionConstraint, a regex, or None
     seed: int | None
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
 
 
-class BatchedGenerator:
+class Batcher:
+    """The leader pattern over episode threads; a backend implements ``_decode(batch)``."""
+
     ACTIVE_S = 5.0  # a thread that asked within this many seconds is expected in the next batch
 
-    def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
+    def __init__(self, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
                  max_batch: int = 32, wait_s: float = 0.08):
-        import torch
-
-        from evoharness.policies.hf import stop_ids
-
-        self.model, self.tok = model, tok
+        self.tok = tok
         self.sample, self.temperature, self.max_new_tokens = sample, temperature, max_new_tokens
         self.constrained, self.max_batch, self.wait_s = constrained, max_batch, wait_s
         self.stops = set(stop_ids(tok))
@@ -49,17 +72,13 @@ class BatchedGenerator:
         self._pending: list[_Request] = []
         self._leading = False
         self._seen: dict[int, float] = {}
-        self._torch = torch
         self.batches = 0
         self.rows = 0
 
     # -- the Sampler interface -------------------------------------------------------------
     def __call__(self, prompt: str, seed: int | None = None, view=None):
         ids = self.tok(render(self.tok, prompt), add_special_tokens=False)["input_ids"]
-        c = None
-        if self.constrained and view is not None:
-            c = ActionConstraint(self.tok, tuple(view.admissible), tuple(view.verbs), self.max_new_tokens)
-            c = c if c.active else None
+        c = self._constraint(tuple(view.admissible), tuple(view.verbs)) if (self.constrained and view is not None) else None
         req = _Request(list(ids), c, seed)
         with self._cv:
             self._pending.append(req)
@@ -84,6 +103,11 @@ class BatchedGenerator:
             raise req.error
         return req.result
 
+    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...]):
+        """What a row's decoding is constrained by (None: free), in the backend's terms."""
+        c = ActionConstraint(self.tok, admissible, verbs, self.max_new_tokens)
+        return c if c.active else None
+
     def _collect(self) -> list[_Request]:
         """Called holding the lock: wait for the other active threads' requests, then take a batch."""
         now = time.monotonic()
@@ -100,8 +124,6 @@ class BatchedGenerator:
 
     # -- decoding --------------------------------------------------------------------------
     def _run(self, batch: list[_Request]) -> None:
-        from evoharness.policies.hf import Sample
-
         try:
             outs = self._decode(batch)
         except BaseException as e:  # every waiting thread gets the error, none hangs
@@ -116,13 +138,27 @@ class BatchedGenerator:
             r.done.set()
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
-        torch = self._torch
+        raise NotImplementedError
+
+
+class BatchedGenerator(Batcher):
+    """Decodes with a transformers causal LM (the live training weights in GRPO)."""
+
+    def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
+                 max_batch: int = 32, wait_s: float = 0.08):
+        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
+        self.model = model
+
+    def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
+        import torch
+
+        device = self.model.device
         n = len(batch)
         width = max(len(r.ids) for r in batch)
-        input_ids = torch.full((n, width), self.pad, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
+        input_ids = torch.full((n, width), self.pad, dtype=torch.long, device=device)
+        attn = torch.zeros((n, width), dtype=torch.long, device=device)
         for i, r in enumerate(batch):
-            input_ids[i, width - len(r.ids) :] = torch.tensor(r.ids)
+            input_ids[i, width - len(r.ids) :] = torch.tensor(r.ids, device=device)
             attn[i, width - len(r.ids) :] = 1
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         gens = [torch.Generator().manual_seed(int(r.seed)) if (self.sample and r.seed is not None) else None for r in batch]
@@ -141,29 +177,83 @@ class BatchedGenerator:
                     c = batch[i].constraint
                     if c is not None:
                         allowed[k] = False
-                        allowed[k, c.allowed(comps[i])] = True
+                        allowed[k, torch.tensor(c.allowed(comps[i]), device=device)] = True
                 lp = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
                 if self.sample:
-                    picks = [int(torch.multinomial(lp[k].exp(), 1, generator=gens[i])) for k, i in enumerate(rows)]
+                    probs = lp.exp().cpu()
+                    picks = [int(torch.multinomial(probs[k], 1, generator=gens[i])) for k, i in enumerate(rows)]
                 else:
                     picks = lp.argmax(-1).tolist()
                 keep = []
+                lp_cpu = lp.cpu()
                 for k, (i, t) in enumerate(zip(rows, picks)):
                     comps[i].append(t)
-                    logps[i].append(float(lp[k, t]))
+                    logps[i].append(float(lp_cpu[k, t]))
                     if t not in self.stops:
                         keep.append(k)
                 if not keep:
                     break
-                nxt = torch.tensor([picks[k] for k in keep], dtype=torch.long)
+                nxt = torch.tensor([picks[k] for k in keep], dtype=torch.long, device=device)
                 if len(keep) < len(rows):  # finished rows leave the batch and its cache
-                    idx = torch.tensor(keep, dtype=torch.long)
+                    idx = torch.tensor(keep, dtype=torch.long, device=device)
                     past.batch_select_indices(idx)
                     attn, last_pos = attn[idx], last_pos[idx]
                     rows = [rows[k] for k in keep]
-                attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long)], 1)
+                attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long, device=device)], 1)
                 last_pos = last_pos + 1
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None], past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
         return list(zip(comps, logps))
+
+
+def _escape(text: str) -> str:
+    """Regex metacharacters escaped, spaces left as they are (grammar engines differ on ``\\ ``)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
+def action_regex(admissible: tuple[str, ...], verbs: tuple[str, ...]) -> str:
+    """``constrain.ActionConstraint`` as a regular expression for vLLM's structured outputs: the
+    reply's format, and an admissible command or an enabled verb with a free argument. Lengths are
+    in characters here (about 6 per token), in tokens there."""
+    cmds = "|".join(_escape(c) for c in admissible)
+    meta = "|".join(_escape(v) for v in verbs)
+    action = "|".join(x for x in (cmds, f"(?:{meta}) [^<]{{0,{6 * MAX_ARG}}}" if meta else "") if x)
+    return f"<think>[^<]{{0,{6 * MAX_THINK}}}</think>\\n?<action>(?:{action})</action>"
+
+
+class VLLMGenerator(Batcher):
+    """Decodes a batch on a vLLM engine: evaluation's own ``LLM``, or in GRPO the engine TRL keeps
+    on each training process (colocate mode), whose weights TRL syncs before every batch of rollouts.
+    Each row carries its seed and its constraint (``action_regex``); the logprobs are vLLM's
+    processed ones, those of the distribution sampled from."""
+
+    def __init__(self, llm, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True, max_batch: int = 256,
+                 wait_s: float = 0.05):
+        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
+        self.llm = llm
+
+    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...]):
+        return action_regex(admissible, verbs)
+
+    def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params = []
+        for r in batch:
+            kw = dict(n=1, temperature=self.temperature if self.sample else 0.0, max_tokens=self.max_new_tokens, logprobs=0,
+                      stop_token_ids=sorted(self.stops), skip_special_tokens=False)
+            if self.sample and r.seed is not None:
+                kw["seed"] = int(r.seed)
+            if r.constraint is not None:
+                kw["structured_outputs"] = StructuredOutputsParams(regex=r.constraint)
+            params.append(SamplingParams(**kw))
+        outs = self.llm.generate([{"prompt_token_ids": r.ids} for r in batch], sampling_params=params, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step[t].logprob) if step and t in step else 0.0 for t, step in zip(ids, c.logprobs or [{}] * len(ids))]
+            res.append((ids, lps))
+        return res

@@ -1,99 +1,39 @@
-"""A local Hugging Face causal LM as a policy (greedy or sampled), and the ``Sampler`` that GRPO
-rollouts use with the live training weights. Both render prompts with ``chat_format.render``."""
+"""A local Hugging Face causal LM as a policy (greedy or sampled), decoded in batches across episode
+threads (``policies.batched``: the model's own weights, or vLLM), and ``Sampler``, the one-prompt
+reference the batched decoders are tested against. All render prompts with ``chat_format.render``."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from evoharness.chat_format import render
 from evoharness.episode import Privileged, TurnView
 from evoharness.errors import PolicyError
+from evoharness.policies.batched import Sample, stop_ids
+from evoharness.training.checkpoint import resolve_checkpoint, weights_digest
 
 _MODELS: dict[str, tuple] = {}
 _LOAD_LOCK = threading.Lock()
 
 
-POINTER = "pointer.json"
-
-
-def write_pointer(out: Path, target: Path) -> None:
-    """A pretrained base stays where it is; the stage's output records where (and which config)."""
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = (target / "config.json").read_text()
-    (out / POINTER).write_text(json.dumps({"path": str(target.resolve()), "config_sha256": hashlib.sha256(cfg.encode()).hexdigest()}))
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    import json
-
-    p = Path(path)
-    if (p / POINTER).exists():
-        return Path(json.loads((p / POINTER).read_text())["path"])
-    return p
-
-
-def load(path: str):
+def load(path: str, device: str = "cpu", dtype: str = "float32"):
+    """Tokenizer, model (eval mode, on ``device``) and a lock, once per checkpoint and placement."""
     path = str(resolve_checkpoint(path))
+    key = f"{path}|{device}|{dtype}"
     with _LOAD_LOCK:
-        if path not in _MODELS:
+        if key not in _MODELS:
             p = Path(path)
             if not (p / "config.json").exists():
                 raise PolicyError(f"hf policy: {path} is not a Hugging Face checkpoint (no config.json)")
+            import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
             model.eval()
-            _MODELS[path] = (tok, model, threading.Lock())
-        return _MODELS[path]
-
-
-_DIGESTS: dict[tuple, str] = {}
-
-
-def weights_digest(path: str | Path) -> str:
-    """Identifies a checkpoint's weights: every (sharded) safetensors file's name and size and a hash
-    of its first and last MiB, plus config.json. Cached per file state, so an episode pays nothing."""
-    p = resolve_checkpoint(path)
-    files = sorted(p.glob("*.safetensors")) + [p / "config.json"]
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
-    if key not in _DIGESTS:
-        h = hashlib.sha256()
-        for f in files:
-            if not f.exists():
-                continue
-            size = f.stat().st_size
-            with open(f, "rb") as fh:
-                h.update(f"{f.name}:{size}".encode())
-                h.update(fh.read(1 << 20))
-                if size > 2 << 20:
-                    fh.seek(-(1 << 20), 2)
-                    h.update(fh.read())
-        _DIGESTS[key] = h.hexdigest()[:16]
-    return _DIGESTS[key]
-
-
-def stop_ids(tok) -> list[int]:
-    """End of turn, and ``</action>`` when the tokenizer has it as one token: nothing after the
-    action is parsed, so generating past it only costs time (and can break the one-tag format)."""
-    ids = [tok.eos_token_id]
-    end = tok.convert_tokens_to_ids("</action>")
-    if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
-        ids.append(end)
-    return ids
-
-
-@dataclass
-class Sample:
-    text: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
+            _MODELS[key] = (tok, model, threading.Lock())
+        return _MODELS[key]
 
 
 class Sampler:
@@ -133,71 +73,67 @@ class Sampler:
         return Sample(self.tok.decode(comp, skip_special_tokens=True), ids["input_ids"][0].tolist(), comp, logps)
 
 
-class VLLMServerSampler:
-    """The same interface as ``Sampler``, generating on TRL's vLLM server (``trl vllm-serve``), whose
-    weights the trainer syncs before each batch of rollouts. Same rendering, same stop tokens."""
-
-    def __init__(self, client, tok, temperature: float, max_new_tokens: int, lock: threading.Lock | None = None):
-        self.client, self.tok = client, tok
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.lock = lock or threading.Lock()
-
-    def __call__(self, prompt: str, seed: int | None = None, view: TurnView | None = None) -> Sample:
-        """Unconstrained: the server decodes freely (``view`` is accepted for the interface)."""
-        text = render(self.tok, prompt)
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        kwargs = {"stop_token_ids": stop_ids(self.tok)}
-        if seed is not None:
-            kwargs["seed"] = int(seed)
-        with self.lock:
-            out = self.client.generate(prompts=[ids], n=1, temperature=self.temperature, max_tokens=self.max_new_tokens, logprobs=0,
-                                       generation_kwargs=kwargs)
-        comp = list(out["completion_ids"][0])
-        logps = [float(lp[0]) if isinstance(lp, (list, tuple)) else float(lp) for lp in out["logprobs"][0]]
-        return Sample(self.tok.decode(comp, skip_special_tokens=True), list(ids), comp, logps)
-
-
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 _GENERATORS: dict[tuple, object] = {}
 
 
-def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, constrained: bool):
-    """One ``BatchedGenerator`` per checkpoint and decoding setting, shared by every episode thread."""
-    from evoharness.policies.batched import BatchedGenerator
+_LLMS: dict[tuple, object] = {}
 
-    key = (str(resolve_checkpoint(path)), sample, temperature, max_new_tokens, constrained)
+
+def _vllm_engine(path: str, dtype: str):
+    """Evaluation's vLLM engine for a checkpoint (one GPU), made once per process."""
+    key = (path, dtype)
+    with _LOAD_LOCK:
+        if key not in _LLMS:
+            from vllm import LLM
+
+            _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85, seed=0)
+        return _LLMS[key]
+
+
+def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, constrained: bool, backend: str = "hf",
+              device: str = "cpu", dtype: str = "float32"):
+    """One batched generator per checkpoint and decoding setting, shared by every episode thread:
+    the model's own weights (``hf``) or a vLLM engine on it (``vllm``)."""
+    from evoharness.policies.batched import BatchedGenerator, VLLMGenerator
+
+    key = (str(resolve_checkpoint(path)), sample, temperature, max_new_tokens, constrained, backend, device, dtype)
     with _LOAD_LOCK:
         g = _GENERATORS.get(key)
     if g is None:
-        tok, model, _ = load(path)
+        if backend == "vllm":
+            from transformers import AutoTokenizer
+
+            real = str(resolve_checkpoint(path))
+            made = VLLMGenerator(_vllm_engine(real, dtype), AutoTokenizer.from_pretrained(real), sample, temperature, max_new_tokens, constrained)
+        else:
+            tok, model, _ = load(path, device, dtype)
+            made = BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained)
         with _LOAD_LOCK:
-            g = _GENERATORS.setdefault(key, BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained))
+            g = _GENERATORS.setdefault(key, made)
     return g
 
 
 class HFPolicy:
-    def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96, constrained: bool = True):
+    def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96, constrained: bool = True,
+                 backend: str = "hf", device: str = "cpu", dtype: str = "float32"):
         if not path:
             raise PolicyError("hf policy needs path=<checkpoint folder>")
         self.path, self.sample, self.temperature, self.max_new_tokens = path, sample, temperature, max_new_tokens
-        self.constrained = constrained
+        self.constrained, self.backend, self.device, self.dtype = constrained, backend, device, dtype
         self.name = f"hf:{Path(path).name}"
         self.seed = 0
         self.calls = 0
 
     def fingerprint(self) -> str:
         decoding = "constrained" if self.constrained else "free"
-        return f"hf:v2:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}"
+        backend = "" if self.backend == "hf" else f":{self.backend}"  # the same weights and decoding on another engine
+        return f"hf:v2:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}{backend}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
-        sampler = generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained)
+        sampler = generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained, self.backend, self.device,
+                            self.dtype)
         self.calls += 1
         return sampler(prompt, seed=(self.seed * 100_003 + self.calls) if self.sample else None, view=view).text

@@ -16,22 +16,23 @@ read-only during a batch and consolidated between batches.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 from evoharness.alfworld.games import Game, list_games
 from evoharness.envpool import EnvPool
-from evoharness.episode import EpisodeConfig, Privileged, TurnView, run_episode
+from evoharness.episode import EpisodeConfig, Privileged, TurnView, bank_digest, run_episode
 from evoharness.errors import EvoError
 from evoharness.harness.consolidate import consolidate
 from evoharness.harness.experience import Experience
 from evoharness.harness.workspace import META_VERBS, HarnessConfig
 from evoharness.reward import RewardConfig, diversity_weight
-from evoharness.training.profiles import Profile
+from evoharness.training.profiles import Profile, rows_per_step
 
 
 class RecordingPolicy:
@@ -67,31 +68,57 @@ def group_blocks(prompts: list[str], num_generations: int) -> list[str]:
     return games
 
 
+def stable_seed(*parts) -> int:
+    """A seed from its parts, the same in every process and run (Python's ``hash`` of a string is
+    salted per process)."""
+    return int(hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:8], 16) % (2**31)
+
+
 class Rollouts:
-    """The ``rollout_func``: plays the groups and returns TRL's rows plus the episode rewards."""
+    """The ``rollout_func``: plays this process's groups and returns TRL's rows plus the episode
+    rewards. Under ``accelerate launch`` each process receives its own share of the step's games
+    (whole groups: ``profiles.rows_per_step``); generation runs on parameters gathered for it (or
+    on the process's own vLLM engine), so no process waits on another while episodes run. After the
+    batch the trajectories of every process go to the main one, which consolidates the bank once
+    and sends it back: every process starts the next batch with the same bank."""
+
+    REPLAYS = 1  # an errored episode is played again this many times; a group still errored is dropped
 
     def __init__(self, games: dict[str, Game], profile: Profile, bank: Experience, pool: EnvPool, tok, out_dir: Path, reward: RewardConfig,
-                 seed: int = 0, curve: Path | None = None):
+                 seed: int = 0, curve: Path | None = None, banks: Path | None = None):
         self.games, self.profile, self.bank, self.pool, self.tok = games, profile, bank, pool, tok
         self.out_dir, self.reward, self.seed = Path(out_dir), reward, seed
         self.curve = Path(curve) if curve else self.out_dir / "curve.jsonl"
-        self.lock = threading.Lock()
+        self.banks = Path(banks) if banks else None  # the bank after each update, for a resumed run
         self.calls = 0
 
+    @contextmanager
+    def generator(self, trainer):
+        """The sampler this batch's episodes share, on the live weights."""
+        from evoharness.policies.batched import BatchedGenerator, VLLMGenerator
+
+        g, constrained = self.profile.grpo, self.profile.decoding == "constrained"
+        if self.profile.generation == "vllm":  # TRL's colocated engine, weights synced before this call
+            yield VLLMGenerator(trainer.vllm_generation.llm, self.tok, True, g.temperature, g.max_new_tokens, constrained)
+            return
+        from trl.models.utils import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=True) as model:
+            was_training = model.training
+            model.eval()
+            try:
+                yield BatchedGenerator(model, self.tok, True, g.temperature, g.max_new_tokens, constrained)
+            finally:
+                model.train(was_training)
+
     def __call__(self, prompts: list[str], trainer) -> dict:
-        from evoharness.policies.batched import BatchedGenerator
+        from accelerate.utils import broadcast_object_list, gather_object
 
         g = self.profile.grpo
-        n_gen = g.rollouts * g.turns_per_rollout
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        was_training = model.training
-        model.eval()
-        if getattr(trainer, "use_vllm", False):
-            from evoharness.policies.hf import VLLMServerSampler
-
-            sampler = VLLMServerSampler(trainer.vllm_generation.vllm_client, self.tok, g.temperature, g.max_new_tokens, self.lock)
-        else:
-            sampler = BatchedGenerator(model, self.tok, True, g.temperature, g.max_new_tokens, self.profile.decoding == "constrained")
+        step = rows_per_step(self.profile)
+        n_gen = step["group_rows"]
+        acc = trainer.accelerator
+        rank = acc.process_index
         u = int(trainer.state.global_step)
         cfg = EpisodeConfig(max_steps=g.max_steps_per_episode, harness=HarnessConfig(mode="inline", charge_meta_actions=g.charge_meta_actions),
                             reward=self.reward, update=u)
@@ -99,42 +126,80 @@ class Rollouts:
         for gid in blocks:
             if gid not in self.games:
                 raise EvoError(f"grpo: prompt {gid!r} is not a training game id")
-        jobs = [(gid, r) for gid in blocks for r in range(g.rollouts)]
+        if len(blocks) != step["games_per_process"] or len(prompts) != step["rows_per_process"]:
+            raise EvoError(f"grpo: process {rank} got {len(blocks)} games in {len(prompts)} rows, expected {step['games_per_process']} in "
+                           f"{step['rows_per_process']} (profiles.rows_per_step)")
+        first_slot = rank * step["games_per_process"]  # the step's games in order, whichever process plays them
 
         def play(worker, job):
-            gid, r = job
-            seed = hash((self.seed, self.calls, gid, r)) % (2**31)
+            k, gid, r, attempt = job
+            seed = stable_seed(self.seed, u, first_slot + k, r, attempt)
             pol = RecordingPolicy(sampler, seed)
             traj = run_episode(worker, self.games[gid], pol, cfg, self.bank, seed)
             return traj, pol.turns
 
-        results = self.pool.map(play, jobs)
-        model.train(was_training)
+        jobs = [(k, gid, r, 0) for k, gid in enumerate(blocks) for r in range(g.rollouts)]
+        with self.generator(trainer) as sampler:
+            results = self.pool.map(play, jobs)
+            for attempt in range(1, self.REPLAYS + 1):  # an errored reset or worker: play that episode again
+                again = [i for i, (t, _) in enumerate(results) if t.error]
+                if not again:
+                    break
+                for i, res in zip(again, self.pool.map(play, [(*jobs[i][:3], attempt) for i in again])):
+                    results[i] = res
         self.calls += 1
         rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "episode_reward": [], "episode_won": []}
-        rng = random.Random(f"{self.seed}/{u}/{self.calls}")
-        for (traj, turns) in results:
-            r = float(traj.reward["total"])
-            if not turns:  # an errored episode still fills its rows, with its (zero-success) reward
-                continue
-            for k in range(g.turns_per_rollout):
-                s = turns[rng.randrange(len(turns))] if len(turns) < g.turns_per_rollout else turns[sorted(rng.sample(range(len(turns)), g.turns_per_rollout))[k]]
-                rows["prompt_ids"].append(s.prompt_ids)
-                rows["completion_ids"].append(s.completion_ids or [self.tok.eos_token_id])
-                rows["logprobs"].append(s.logprobs or [0.0])
-                rows["env_mask"].append(decision_mask(s.logprobs or [0.0]))
-                rows["episode_reward"].append(r)
-                rows["episode_won"].append(bool(traj.outcome["won"]))
-        expected = len(blocks) * n_gen
-        if len(rows["prompt_ids"]) != expected:
-            raise EvoError(f"grpo: {expected - len(rows['prompt_ids'])} rows missing: every rollout errored before its first turn ({results[0][0].error})")
+        rng = random.Random(f"{self.seed}/{u}/{rank}")
+        dropped = []
+        for k, gid in enumerate(blocks):
+            group = results[k * g.rollouts : (k + 1) * g.rollouts]
+            ok = not any(t.error or not turns for t, turns in group)
+            if not ok:
+                dropped.append(gid)
+            for traj, turns in group:
+                r = float(traj.reward["total"]) if ok else None  # None: TRL leaves the row out of the baseline, advantage 0
+                for s in self._rows(turns, g.turns_per_rollout, rng):
+                    rows["prompt_ids"].append(s.prompt_ids)
+                    rows["completion_ids"].append(s.completion_ids or [self.tok.eos_token_id])
+                    rows["logprobs"].append(s.logprobs or [0.0])
+                    rows["env_mask"].append(decision_mask(s.logprobs or [0.0]) if ok else [0] * len(s.completion_ids or [0]))
+                    rows["episode_reward"].append(r)
+                    rows["episode_won"].append(bool(traj.outcome.get("won")))
+        if len(rows["prompt_ids"]) != len(prompts):
+            raise EvoError(f"grpo: process {rank} built {len(rows['prompt_ids'])} rows for {len(prompts)} prompts")
         trajs = [t.to_json() for t, _ in results]
-        edits = consolidate(self.bank, trajs)  # between batches: the bank was frozen while they ran
-        self.bank.save(self.out_dir / "experience.json")
-        self._log(u, trajs, edits)
+        mine = {"rank": rank, "games": blocks, "rows": len(prompts), "dropped": dropped,
+                "group_rewards": [rows["episode_reward"][k * n_gen : (k + 1) * n_gen] for k in range(len(blocks))]}
+        everyone = gather_object([{"trajs": trajs, **mine}])
+        if acc.is_main_process:
+            all_trajs = [t for part in everyone for t in part["trajs"]]
+            edits = consolidate(self.bank, all_trajs)  # between batches: the bank was frozen while they ran
+            shared = [self.bank.to_json()]
+        else:
+            all_trajs, edits, shared = [], [], [None]
+        shared = broadcast_object_list(shared, from_process=0)
+        if not acc.is_main_process:
+            self.bank = Experience.from_json(shared[0])
+        digests = gather_object([bank_digest(self.bank)])
+        if acc.is_main_process:
+            if self.banks is not None:
+                self.bank.save(self.banks / f"after-u{u}.json")
+            self._log(u, all_trajs, edits, [{k: v for k, v in part.items() if k != "trajs"} for part in everyone], digests)
         return rows
 
-    def _log(self, u: int, trajs: list[dict], edits: list[dict]) -> None:
+    @staticmethod
+    def _rows(turns: list, k: int, rng: random.Random) -> list:
+        """``k`` of an episode's turns as training rows (with repeats when it had fewer), or k empty
+        placeholders for an episode that errored before its first turn (masked out)."""
+        from evoharness.policies.batched import Sample
+
+        if not turns:
+            return [Sample("", [0], [], []) for _ in range(k)]
+        if len(turns) < k:
+            return [turns[rng.randrange(len(turns))] for _ in range(k)]
+        return [turns[i] for i in sorted(rng.sample(range(len(turns)), k))]
+
+    def _log(self, u: int, trajs: list[dict], edits: list[dict], processes: list[dict], digests: list[str]) -> None:
         ok = [t for t in trajs if not t.get("error")]
         n = max(len(ok), 1)
         comps = ("success", "efficiency", "diversity", "repeats", "invalid", "total")
@@ -143,6 +208,7 @@ class Rollouts:
             "update": u,
             "episodes": len(trajs),
             "errored": len(trajs) - len(ok),
+            "dropped_groups": sum(len(p["dropped"]) for p in processes),
             "reward": {c: round(sum(t["reward"][c] for t in ok) / n, 4) for c in comps},
             "diversity_weight": round(diversity_weight(u, self.reward), 4),
             "success": round(sum(t["outcome"]["won"] for t in ok) / n, 4),
@@ -150,6 +216,9 @@ class Rollouts:
             "invalid_rate": round(sum(t["outcome"]["invalid"] for t in ok) / max(turns, 1), 4),
             "episode_length": round(sum(t["outcome"]["steps"] for t in ok) / n, 2),
             "bank_edits": dict(Counter(e["op"] for e in edits if str(e.get("result", "")).startswith("applied"))),
+            "bank_updates": self.bank.updates,
+            "bank_digests": digests,
+            "processes": processes,
         }
         with open(self.curve, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -166,60 +235,56 @@ def decision_mask(logprobs: list[float]) -> list[int]:
 
 
 def episode_reward(prompts, completions, episode_reward, **kwargs):
-    """The composite cost-aware reward, computed by the episode engine at the episode's end."""
-    return [float(r) for r in episode_reward]
+    """The composite cost-aware reward, computed by the episode engine at the episode's end; None
+    for the rows of a dropped group (an episode that errored even when played again)."""
+    return [None if r is None else float(r) for r in episode_reward]
 
 
 def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir: Path, profile: Profile, reward: RewardConfig,
                seed: int = 0, workers: int = 2, steps: int | None = None, checkpoints: Path | None = None,
-               curve: Path | None = None, timing: Path | None = None) -> dict:
+               curve: Path | None = None, timing: Path | None = None, root: Path | None = None) -> dict:
     """Train and save the model and its evolved bank to ``out_dir``; the per-step curve goes to
-    ``curve`` (a DVC plot), checkpoints to a folder that survives a kill."""
+    ``curve`` (a DVC plot), checkpoints to a folder that survives a kill. With LoRA the adapter is
+    trained on the SFT model and merged into it at the end (``<out>/adapter`` beside the full model)."""
     import torch
     from datasets import Dataset
-
-    from evoharness.training.sft import last_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    g = profile.grpo
-    if not (Path(sft_dir) / "config.json").exists():
-        raise EvoError(f"grpo: {sft_dir} is not a Hugging Face checkpoint (no config.json)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
-    from evoharness.policies.hf import weights_digest
-    from evoharness.training.sft import file_digest, keyed_checkpoints
+    from evoharness.training import distributed as dist
+    from evoharness.training.checkpoint import check_checkpoint, weights_digest
+    from evoharness.training.sft import checkpoint_key, file_digest, keyed_checkpoints, last_checkpoint, save_trained
 
+    g = profile.grpo
+    root = Path(root or Path.cwd())
+    sft_dir = check_checkpoint(Path(sft_dir), "grpo: SFT model")
+    if bank_path is not None and not Path(bank_path).exists():
+        raise EvoError(f"grpo: experience bank {bank_path} does not exist")
+    out_dir = Path(out_dir)
+    ckroot = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
     curve = Path(curve) if curve else out_dir.parent / f"{out_dir.name}-curve.jsonl"
-    curve.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, profile.sft.threads))
     games = {x.id: x for x in list_games(games_root, "train") if not x.error}
     if not games:
         raise EvoError(f"grpo: no training games under {games_root}")
-    ckpts = keyed_checkpoints(ckpts, grpo=g.model_dump(exclude={"steps"}), sft=weights_digest(sft_dir), seed=seed, reward=reward,
-                              bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games))
+    step = rows_per_step(profile)
+    key_parts = dict(grpo=g.model_dump(exclude={"steps"}), sft=weights_digest(sft_dir), seed=seed, reward=reward, processes=profile.num_processes,
+                     bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games))
+    ckpts = ckroot / checkpoint_key(**key_parts)
     n_steps = steps if steps is not None else g.steps
     rng = random.Random(seed)
     ids = sorted(games)
     order = [rng.choice(ids) for _ in range(n_steps * g.games_per_step)]
-    tok = AutoTokenizer.from_pretrained(sft_dir)
-    model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.bfloat16 if g.bf16 else torch.float32)
-    bank = Experience.load_or_seed(bank_path)
-    n_gen = g.rollouts * g.turns_per_rollout
-    from evoharness.policies.hf import vllm_installed
-
-    use_vllm = g.use_vllm and vllm_installed()
-    if g.use_vllm and not use_vllm:
-        print("grpo: use_vllm is set but vllm is not installed: rollouts generate with transformers", flush=True)
-    cfg = GRPOConfig(
+    cfg = dist.training_args(
+        GRPOConfig, profile, root,
         output_dir=str(ckpts),
-        num_generations=n_gen,
-        per_device_train_batch_size=n_gen,
-        gradient_accumulation_steps=g.games_per_step,
-        steps_per_generation=g.games_per_step,
+        num_generations=step["group_rows"],
+        per_device_train_batch_size=step["micro_batch"],
+        gradient_accumulation_steps=step["grad_accum"],
+        steps_per_generation=step["grad_accum"],  # one generation per optimizer step: the step's games, once
         max_steps=n_steps,
         learning_rate=g.learning_rate,
+        lr_scheduler_type=g.scheduler,
         beta=g.beta,
         scale_rewards=g.scale_rewards,
         temperature=g.temperature,
@@ -232,29 +297,57 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         seed=seed,
         bf16=g.bf16,
         gradient_checkpointing=g.gradient_checkpointing,
-        use_vllm=use_vllm,
-        vllm_mode=g.vllm_mode,
-        use_cpu=not torch.cuda.is_available(),
+        use_vllm=profile.generation == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
         shuffle_dataset=False,
         disable_tqdm=True,
         log_completions=False,
     )
-    with EnvPool(min(profile.episode_workers, g.games_per_step * g.rollouts)) as pool:
-        resume = last_checkpoint(ckpts)
-        if resume is None:
-            curve.unlink(missing_ok=True)  # a fresh run: the curve restarts; a resumed run appends
-        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, curve)
+    main = dist.is_main()
+    if main:
+        keyed_checkpoints(ckroot, **key_parts)
+    dist.wait_for_everyone()
+    resume = last_checkpoint(ckpts)
+    banks = ckpts / "banks"
+    bank = Experience.load_or_seed(bank_path)
+    if resume is not None:  # the bank as it was when that checkpoint's last update had consolidated
+        done = int(Path(resume).name.split("-")[-1])
+        saved = banks / f"after-u{done - 1}.json"
+        if saved.exists():
+            bank = Experience.load(saved)
+    if main:
+        curve.parent.mkdir(parents=True, exist_ok=True)
+        banks.mkdir(parents=True, exist_ok=True)
+        kept = [] if resume is None else [x for x in (curve.read_text().splitlines() if curve.exists() else [])
+                                         if x.strip() and json.loads(x)["update"] < int(Path(resume).name.split("-")[-1])]
+        curve.write_text("".join(x + "\n" for x in kept))  # a fresh run restarts the curve; a resumed one keeps what its checkpoint covers
+    tok = AutoTokenizer.from_pretrained(sft_dir)
+    # After the arguments: under ZeRO-3 the weights are partitioned as they load (zero.Init).
+    model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=getattr(torch, profile.base.dtype))
+    loaded_partitioned = dist.partitioned(model)
+    peft_config = None
+    if g.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=g.lora_r, lora_alpha=g.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
+        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, curve, banks if main else None)
         trainer = GRPOTrainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
-                              processing_class=tok, rollout_func=rollouts)
+                              processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
         t0 = time.time()
         result = trainer.train(resume_from_checkpoint=resume)
         wall = time.time() - t0
-    trainer.save_model(str(out_dir))
-    tok.save_pretrained(str(out_dir))
-    rows = [json.loads(x) for x in curve.read_text().splitlines()] if curve.exists() else []
+    save_trained(trainer, tok, sft_dir, out_dir, g.lora, profile.base.dtype)
+    if main:
+        rollouts.bank.save(out_dir / "experience.json")
+    dist.wait_for_everyone()
+    rows = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()] if curve.exists() else []
     episodes = sum(c["episodes"] for c in rows)
-    if timing:
+    if timing and main:
         Path(timing).parent.mkdir(parents=True, exist_ok=True)
         Path(timing).write_text(json.dumps({"seconds": round(wall, 1), "episodes_per_min": round(60 * episodes / max(wall, 1e-6), 2)}))
+    slim = lambda r: {k: v for k, v in r.items() if k not in ("processes", "bank_digests")} if r else None  # noqa: E731
     return {"steps": int(result.global_step), "episodes": episodes, "train_loss": round(float(result.training_loss), 4),
-            "first": rows[0] if rows else None, "last": rows[-1] if rows else None, "resumed_from": Path(resume).name if resume else None}
+            "rows_per_step": step["rows"], "launch": dist.describe(trainer.accelerator, loaded_partitioned), "lora": g.lora,
+            "first": slim(rows[0] if rows else None), "last": slim(rows[-1] if rows else None), "resumed_from": Path(resume).name if resume else None}

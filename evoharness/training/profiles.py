@@ -1,7 +1,14 @@
-"""Hardware profiles: one code path, two configs. A wrong field fails at load, naming it."""
+"""Hardware profiles: one code path, several configs. A wrong field fails at load, naming it.
+
+``tiny-cpu`` trains in-process on the CPU; ``qwen3-8b-h200`` launches itself under ``accelerate``
+with DeepSpeed ZeRO-3 on 8 GPUs; ``tiny-dist`` takes exactly that path at toy size on 2 CPU
+processes (DeepSpeed's CPU accelerator, gloo). ``TOY_DIFFERENCES`` names the only keys in which the
+toy may differ from the GPU profile: sizes, counts and the device.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +27,8 @@ class BaseModelSpec(_Strict):
     downloaded at test time (``HF_HUB_OFFLINE`` is honoured)."""
 
     kind: Literal["tiny", "pretrained"]
-    path: str = ""
+    path: str = Field("", description="pretrained: a local checkpoint folder, resolved on the machine that runs the stage "
+                      "(``~`` and ``$VARS`` expand there; relative to the project root)")
     hidden_size: int = Field(64, ge=8)
     intermediate_size: int = Field(192, ge=8)
     layers: int = Field(2, ge=1)
@@ -60,11 +68,14 @@ class SFTSpec(_Strict):
 
 
 class GRPOSpec(_Strict):
-    games_per_step: int = Field(16, ge=1)
+    games_per_step: int = Field(16, ge=1, description="games per optimizer step across all processes (each process plays its share)")
     rollouts: int = Field(8, ge=2, description="rollouts of the same game in a group")
     turns_per_rollout: int = Field(4, ge=1, description="turns sampled from each rollout as training rows")
     steps: int = Field(150, ge=1)
+    micro_batch: int = Field(0, ge=0, description="rows per forward/backward on one process (0: all of that process's rows of "
+                             "the step); the rest is gradient accumulation")
     learning_rate: float = Field(1e-6, gt=0)
+    scheduler: Literal["constant", "linear", "cosine"] = Field("linear", description="learning-rate schedule over the updates")
     beta: float = Field(0.01, ge=0, description="KL coefficient")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="advantage scaling (TRL): 'group' divides by the group's reward std, which in a group that all "
@@ -73,9 +84,11 @@ class GRPOSpec(_Strict):
     max_new_tokens: int = Field(512, ge=8)
     max_steps_per_episode: int = Field(70, ge=1)
     charge_meta_actions: bool = True
-    use_vllm: bool = Field(False, description="generate rollouts with a vLLM server (`trl vllm-serve`) when vllm is installed")
-    vllm_mode: Literal["server"] = Field("server", description="episodes call the generator turn by turn from worker threads, so a "
-                                         "server (HTTP, no collectives); colocate's gathered generate would deadlock across ranks")
+    lora: bool = Field(False, description="train a LoRA adapter on the SFT model (merged into a full checkpoint at the end)")
+    lora_r: int = 64
+    lora_alpha: int = 128
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="with generation: vllm, the share of each GPU "
+                                               "its colocated vLLM engine takes (TRL's colocate mode: one engine per training process)")
     bf16: bool = False
     gradient_checkpointing: bool = False
     save_steps: int = Field(25, ge=1)
@@ -89,6 +102,11 @@ class Profile(_Strict):
     launcher: Literal["local", "accelerate"] = "local"
     num_processes: int = Field(1, ge=1)
     deepspeed_config: str = ""
+    accelerate_config: str = Field("", description="launcher accelerate: the accelerate config file (configs/)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: DeepSpeed's CPU accelerator (gloo) under accelerate; cuda: "
+                                           "one GPU per process")
+    generation: Literal["hf", "vllm"] = Field("hf", description="how GRPO rollouts and evaluation decode: hf (the policy's own "
+                                              "weights, batched; gathered under ZeRO-3) or vllm (required installed)")
     eval_games_per_family: int = Field(10, ge=1)
     eval_max_steps: int = Field(0, ge=0, description="step budget of model episodes in the evaluate stage (0: episode.max_steps)")
     eval_max_turns: int = Field(0, ge=0, description="turn budget (env + uncharged meta-actions) of model episodes in the evaluate "
@@ -100,9 +118,72 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _launch(self):
-        if self.launcher == "accelerate" and not self.deepspeed_config:
-            raise ValueError("launcher accelerate needs deepspeed_config (a file under configs/)")
+        if self.launcher == "accelerate" and not (self.deepspeed_config and self.accelerate_config):
+            raise ValueError("launcher accelerate needs deepspeed_config and accelerate_config (files under configs/)")
+        if self.launcher == "local" and self.num_processes != 1:
+            raise ValueError("launcher local runs one process; num_processes > 1 needs launcher accelerate")
+        if self.generation == "vllm" and self.device != "cuda":
+            raise ValueError("generation vllm needs device cuda")
+        step = rows_per_step(self)  # raises ValueError naming the sizes that do not divide
+        del step
         return self
+
+    @property
+    def distributed(self) -> bool:
+        return self.launcher == "accelerate"
+
+
+def rows_per_step(p: "Profile") -> dict[str, int]:
+    """What one GRPO optimizer step holds, across all processes and on each: ``games_per_step``
+    groups of ``rollouts`` episodes, ``turns_per_rollout`` rows each; every process plays
+    ``games_per_step / num_processes`` whole groups, in micro-batches of ``micro_batch`` rows, and
+    generation happens once per optimizer step (TRL's ``steps_per_generation`` equals the gradient
+    accumulation). The recipe's step is 16 games x 8 rollouts."""
+    g = p.grpo
+    if g.games_per_step % p.num_processes:
+        raise ValueError(f"grpo.games_per_step ({g.games_per_step}) must be a multiple of num_processes ({p.num_processes}): "
+                         "each process plays whole groups")
+    per_group = g.rollouts * g.turns_per_rollout
+    local = g.games_per_step // p.num_processes * per_group
+    micro = g.micro_batch or local
+    if local % micro:
+        raise ValueError(f"grpo.micro_batch ({micro}) must divide the rows each process holds per step ({local})")
+    return {"games": g.games_per_step, "episodes": g.games_per_step * g.rollouts, "rows": g.games_per_step * per_group,
+            "group_rows": per_group, "games_per_process": g.games_per_step // p.num_processes, "rows_per_process": local,
+            "micro_batch": micro, "grad_accum": local // micro}
+
+
+# The keys (dotted) in which tiny-dist may differ from qwen3-8b-h200: sizes, counts, the device and what
+# follows from it (dtype, vLLM, which needs CUDA; CPU threads). Everything else is the same code path.
+TOY_DIFFERENCES = frozenset({
+    "base.path", "base.max_length", "base.dtype",
+    "sft.lora_r", "sft.lora_alpha", "sft.batch_size", "sft.grad_accum", "sft.max_length", "sft.epochs", "sft.max_steps",
+    "sft.save_steps", "sft.eval_steps", "sft.bf16", "sft.gradient_checkpointing", "sft.threads",
+    "grpo.games_per_step", "grpo.rollouts", "grpo.turns_per_rollout", "grpo.steps", "grpo.micro_batch", "grpo.max_new_tokens",
+    "grpo.max_steps_per_episode", "grpo.save_steps", "grpo.lora_r", "grpo.lora_alpha", "grpo.bf16", "grpo.gradient_checkpointing",
+    "grpo.vllm_gpu_memory_utilization",
+    "num_processes", "episode_workers", "eval_games_per_family", "eval_max_steps", "eval_max_turns",
+    "device", "generation",
+})
+
+
+def profile_differences(a: "Profile", b: "Profile") -> set[str]:
+    """Dotted keys whose values differ between two profiles (their names aside)."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
+        return out
+
+    fa, fb = flat(a.model_dump(exclude={"name"})), flat(b.model_dump(exclude={"name"}))
+    return {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
+
+
+def resolve_model_path(path: str, root: Path | None = None) -> Path:
+    """A base model's path on this machine: ``~`` and ``$VARS`` expanded, relative to ``root``."""
+    p = Path(os.path.expandvars(os.path.expanduser(path)))
+    return p if p.is_absolute() else Path(root or Path.cwd()) / p
 
 
 def load_profile(name: str, params_path: str | Path = "params.yaml") -> Profile:

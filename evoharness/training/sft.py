@@ -1,5 +1,9 @@
 """SFT with TRL's SFTTrainer on the pairs: loss on the response only, evaluation on the val split,
-checkpoints, resume after a kill, metrics to a JSON the DVC stage declares."""
+checkpoints, resume after a kill, metrics to a JSON the DVC stage declares.
+
+With LoRA (the GPU profile and tiny-dist), the adapter is saved under ``<out>/adapter`` and merged into
+its base as a full checkpoint in ``<out>``: GRPO, evaluation and the registry load the same folder.
+Under ``accelerate launch`` every process trains; only the main one merges and writes metrics."""
 
 from __future__ import annotations
 
@@ -52,11 +56,16 @@ def file_digest(*paths: Path) -> str:
 KEEP_CONFIGS = 2
 
 
+def checkpoint_key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def keyed_checkpoints(ckpts: Path, **parts) -> Path:
     """The checkpoint folder of one configuration (inputs and settings, not the step budget):
     a killed run resumes from it, while changed inputs or settings start afresh instead of
-    resuming someone else's state. The two most recent configurations are kept."""
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    resuming someone else's state. The two most recent configurations are kept. Called by the
+    main process only (the others use ``Path(ckpts) / checkpoint_key(**parts)``)."""
+    key = checkpoint_key(**parts)
     ckpts = Path(ckpts)
     ckpts.mkdir(parents=True, exist_ok=True)
     here = ckpts / key
@@ -77,38 +86,31 @@ def last_checkpoint(ckpt_dir: Path) -> str | None:
 
 
 def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, mode: str = "inline", seed: int = 0, max_steps: int | None = None,
-              checkpoints: Path | None = None, timing: Path | None = None) -> dict:
+              checkpoints: Path | None = None, timing: Path | None = None, root: Path | None = None) -> dict:
     """Train and save the model to ``out_dir``. ``checkpoints`` (default ``out_dir/../<name>-checkpoints``)
     survives a kill: the next run resumes from its last checkpoint. Wall-clock figures go to
-    ``timing``, outside any hashed output."""
+    ``timing``, outside any hashed output. Returns the metrics (the same on every process)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from evoharness.policies.hf import resolve_checkpoint
+    from evoharness.training import distributed as dist
+    from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint, weights_digest
 
     s = profile.sft
-    base_dir = resolve_checkpoint(base_dir)
-    if not (Path(base_dir) / "config.json").exists():
-        raise EvoError(f"base model {base_dir} is not a Hugging Face checkpoint (no config.json)")
+    root = Path(root or Path.cwd())
+    base_dir = check_checkpoint(resolve_checkpoint(base_dir, root), "base model")
     torch.set_num_threads(max(1, s.threads))
     out_dir = Path(out_dir)
-    ckpts = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
-    from evoharness.policies.hf import weights_digest
-
-    ckpts = keyed_checkpoints(ckpts, sft=s.model_dump(), base=weights_digest(base_dir), mode=mode, seed=seed,
-                              pairs=file_digest(Path(pairs_dir) / "train.parquet", Path(pairs_dir) / "val.parquet"))
-    tok = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16 if s.bf16 else torch.float32)
     train_df, val_df = load_rows(Path(pairs_dir), mode)
     if len(train_df) == 0:
         raise EvoError(f"no training pairs in {pairs_dir}")
-    peft_config = None
-    if s.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
-    cfg = SFTConfig(
+    ckroot = Path(checkpoints) if checkpoints else out_dir.parent / f"{out_dir.name}-checkpoints"
+    key_parts = dict(sft=s.model_dump(), base=weights_digest(base_dir), mode=mode, seed=seed, processes=profile.num_processes,
+                     pairs=file_digest(Path(pairs_dir) / "train.parquet", Path(pairs_dir) / "val.parquet"))
+    ckpts = ckroot / checkpoint_key(**key_parts)
+    cfg = dist.training_args(
+        SFTConfig, profile, root,
         output_dir=str(ckpts),
         max_length=s.max_length,
         num_train_epochs=s.epochs,
@@ -130,20 +132,29 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         seed=seed,
         bf16=s.bf16,
         gradient_checkpointing=s.gradient_checkpointing,
-        deepspeed=profile.deepspeed_config or None if profile.launcher == "accelerate" else None,
-        use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    if dist.is_main():
+        keyed_checkpoints(ckroot, **key_parts)
+    dist.wait_for_everyone()
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    # After the arguments: under ZeRO-3 the weights are partitioned as they load (zero.Init).
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, profile.base.dtype))
+    loaded_partitioned = dist.partitioned(model)
+    peft_config = None
+    if s.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=to_dataset(train_df, tok),
                          eval_dataset=to_dataset(val_df, tok) if len(val_df) else None, processing_class=tok, peft_config=peft_config)
     resume = last_checkpoint(ckpts)
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     wall = time.time() - t0
-    trainer.save_model(str(out_dir))
-    tok.save_pretrained(str(out_dir))
     ev = trainer.evaluate() if len(val_df) else {}
+    save_trained(trainer, tok, base_dir, out_dir, s.lora, profile.base.dtype, profile.base.path if profile.base.kind == "pretrained" else "")
     ds = to_dataset(train_df, tok)
     n_tokens = int(sum(len(tok(p + c, add_special_tokens=False)["input_ids"]) for p, c in zip(ds["prompt"], ds["completion"])))
     rows_seen = int(result.global_step) * s.batch_size * s.grad_accum * profile.num_processes
@@ -157,10 +168,43 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         "resumed_from": os.path.basename(resume) if resume else None,
         "epochs": s.epochs,
         "tokens_per_epoch": n_tokens,
+        "lora": s.lora,
+        "launch": dist.describe(trainer.accelerator, loaded_partitioned),
     }
     tokens_seen = rows_seen * n_tokens / max(len(train_df), 1)
-    if timing:
+    if timing and dist.is_main():
         Path(timing).parent.mkdir(parents=True, exist_ok=True)
         Path(timing).write_text(json.dumps({"seconds": round(wall, 1), "train_runtime": round(float(result.metrics.get("train_runtime", wall)), 1),
                                             "tokens_per_s": round(tokens_seen / max(float(result.metrics.get("train_runtime", wall)), 1e-6), 1)}))
     return metrics
+
+
+def save_trained(trainer, tok, base_dir: Path, out_dir: Path, lora: bool, dtype: str, base_ref: str = "") -> None:
+    """The trained model as a full checkpoint in ``out_dir``. Every process takes part in saving (under
+    ZeRO-3 the weights are gathered); with LoRA the main process then merges the adapter into the
+    base it was trained on. The folder holds nothing else from an earlier run, and nothing of this
+    machine: the adapter names its base by ``base_ref`` (the profile's path, or the stage's input),
+    never by this machine's absolute path."""
+    from evoharness.training import distributed as dist
+    from evoharness.training.checkpoint import ADAPTER, merge_lora
+
+    out_dir = Path(out_dir)
+    if dist.is_main() and out_dir.exists():
+        shutil.rmtree(out_dir)
+    dist.wait_for_everyone()
+    if lora:
+        trainer.save_model(str(out_dir / ADAPTER))
+        if dist.is_main():
+            merge_lora(base_dir, out_dir / ADAPTER, out_dir, dtype)
+            cfg_path = out_dir / ADAPTER / "adapter_config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["base_model_name_or_path"] = base_ref or (str(base_dir) if not Path(base_dir).is_absolute() else Path(base_dir).name)
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    else:
+        trainer.save_model(str(out_dir))
+        if dist.is_main():
+            tok.save_pretrained(str(out_dir))
+    if dist.is_main():
+        for junk in ("training_args.bin", f"{ADAPTER}/training_args.bin", f"{ADAPTER}/README.md", "README.md"):
+            (out_dir / junk).unlink(missing_ok=True)  # not the model: a pickle of this run's arguments
+    dist.wait_for_everyone()

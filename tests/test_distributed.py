@@ -1,0 +1,207 @@
+"""The qwen3-8b-h200 code path, proven at toy size: tiny-dist launches exactly what the GPU box runs
+(a pretrained-kind base from a folder, LoRA, ``accelerate launch`` with the project's accelerate config
+and DeepSpeed ZeRO-3) on 2 CPU processes, through the retrain flow, DVC, MLflow and the gate."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoharness.errors import EvoError
+from evoharness.training.profiles import TOY_DIFFERENCES, load_profile, profile_differences, rows_per_step
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params.yaml"
+
+
+def test_the_toy_profile_differs_from_the_gpu_profile_only_in_sizes_counts_and_the_device():
+    toy, gpu = load_profile("tiny-dist", PARAMS), load_profile("qwen3-8b-h200", PARAMS)
+    diff = profile_differences(toy, gpu)
+    assert diff <= TOY_DIFFERENCES, sorted(diff - TOY_DIFFERENCES)
+    # the code path itself is shared: launcher, configs, LoRA, the base's kind, decoding, the reward's charging
+    for key in ("launcher", "deepspeed_config", "accelerate_config", "base.kind", "sft.lora", "grpo.lora", "decoding",
+                "grpo.charge_meta_actions", "sft.learning_rate", "grpo.learning_rate", "grpo.beta", "grpo.scale_rewards"):
+        assert key not in diff, key
+    assert toy.num_processes == 2 and toy.device == "cpu" and gpu.device == "cuda" and gpu.num_processes == 8
+
+
+def test_rows_per_step_follow_the_recipe_on_every_profile(tmp_path):
+    gpu = rows_per_step(load_profile("qwen3-8b-h200", PARAMS))
+    # the recipe: 16 games x 8 rollouts per optimizer step across all 8 GPUs, each playing 2 whole groups
+    assert (gpu["games"], gpu["episodes"]) == (16, 128)
+    assert gpu["games_per_process"] == 2 and gpu["rows_per_process"] * 8 == gpu["rows"] == 16 * 8 * 4
+    assert gpu["micro_batch"] * gpu["grad_accum"] == gpu["rows_per_process"]
+    toy = rows_per_step(load_profile("tiny-dist", PARAMS))
+    assert (toy["games"], toy["games_per_process"], toy["rows"], toy["rows_per_process"]) == (2, 1, 8, 4)
+    cpu = rows_per_step(load_profile("tiny-cpu", PARAMS))
+    assert (cpu["games_per_process"], cpu["rows"], cpu["grad_accum"]) == (4, 256, 4)
+    raw = yaml.safe_load(PARAMS.read_text())
+    raw["profiles"]["qwen3-8b-h200"]["grpo"]["games_per_step"] = 12  # 12 games cannot be split over 8 processes
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(EvoError, match=r"games_per_step \(12\) must be a multiple of num_processes \(8\)"):
+        load_profile("qwen3-8b-h200", p)
+
+
+def test_accelerate_validates_the_launch_and_builds_the_deepspeed_plugin(tmp_path):
+    from evoharness.training.distributed import launch_argv, validate_launch
+
+    for name in ("qwen3-8b-h200", "tiny-dist"):
+        ds = validate_launch(load_profile(name, PARAMS), ROOT)  # accelerate's own checks, then DeepSpeedPlugin()
+        assert ds["zero_optimization"]["stage"] == 3 and "train_batch_size" not in ds
+    argv = launch_argv(load_profile("tiny-dist", PARAMS), ["sft", "--mode", "inline"], ROOT)
+    assert argv[1:3] == ["-m", "accelerate.commands.launch"] and argv[argv.index("--num_processes") + 1] == "2"
+    assert argv[-3:] == ["sft", "--mode", "inline"] and argv[argv.index("--config_file") + 1].endswith("configs/accelerate_h200.yaml")
+    assert launch_argv(load_profile("tiny-cpu", PARAMS), ["sft"], ROOT) is None
+    # The config as it was (mixed_precision beside deepspeed_config_file): accelerate refuses it, in one line.
+    (tmp_path / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "deepspeed_zero3.json", tmp_path / "configs" / "deepspeed_zero3.json")
+    acc = yaml.safe_load((ROOT / "configs" / "accelerate_h200.yaml").read_text())
+    (tmp_path / "configs" / "accelerate_h200.yaml").write_text(yaml.safe_dump({**acc, "mixed_precision": "bf16"}))
+    with pytest.raises(EvoError, match=r"accelerate refuses .*accelerate_h200.yaml with .*deepspeed_zero3.json: When using `deepspeed_config_file`") as e:
+        validate_launch(load_profile("qwen3-8b-h200", PARAMS), tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A pretrained-kind base: the tiny Qwen3 saved as a normal checkpoint folder."""
+    from evoharness.training.tiny import build_model, build_tokenizer, vocabulary
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-qwen3"
+    tok = build_tokenizer(vocabulary(["go to the desk 1"]))
+    model = build_model(len(tok), {"hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "max_length": 256}, 0)
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+def _cli(cwd: Path, *args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    e = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
+    e.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "evoharness.cli", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def _project_params(base_path: str) -> dict:
+    from project import MICRO
+
+    p = copy.deepcopy(MICRO)
+    toy = copy.deepcopy(yaml.safe_load(PARAMS.read_text())["profiles"]["tiny-dist"])
+    toy["base"]["path"] = base_path
+    toy["sft"].update(max_steps=3)  # the toy's sizes: 3 SFT steps, 2 GRPO updates of 2 games x 2 rollouts, on 2 processes
+    p["profiles"]["tiny-dist"] = toy
+    p["profile"] = "tiny-dist"
+    p["promotion"]["thresholds"]["tiny-dist"] = {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05}
+    return p
+
+
+def test_bad_input_is_one_line_before_any_process_is_launched(tiny_folder, tmp_path):
+    from evoharness.training.checkpoint import check_checkpoint
+    from evoharness.training.distributed import check_machine
+
+    # A base path that does not exist, through the stage's command.
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(_project_params(str(tmp_path / "nowhere"))))
+    r = _cli(tmp_path, "base-model", "--out", "data/models/base")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "error: profile tiny-dist: base model" in r.stderr and "does not exist on this machine" in r.stderr
+    # Weights that do not match their config.
+    bad = tmp_path / "bad-base"
+    shutil.copytree(tiny_folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64, "head_dim": 32}))
+    with pytest.raises(EvoError, match=r"weights do not match config.json: .* has shape \[.*32\], the config gives \[.*64\]"):
+        check_checkpoint(bad)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(_project_params(str(bad))))
+    r = _cli(tmp_path, "base-model", "--out", "data/models/base")
+    assert r.returncode == 2 and "weights do not match config.json" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "data" / "models" / "base").exists()  # nothing written
+    check_checkpoint(tiny_folder)  # the real one fits
+    # vLLM asked for and missing; more processes than GPUs (this machine has none).
+    gpu = load_profile("qwen3-8b-h200", PARAMS)
+    with pytest.raises(EvoError, match=r"runs 8 process\(es\), one per GPU, but this machine has 0 CUDA GPU\(s\)"):
+        check_machine(gpu)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(EvoError, match=r"asks for generation: vllm, but vllm is not installed here"):
+            check_machine(gpu.model_copy(update={"device": "cpu", "num_processes": 1}))
+    # The GPU profile's SFT command stops before accelerate starts anything.
+    p = _project_params(str(tiny_folder))
+    p["profile"] = "qwen3-8b-h200"
+    p["profiles"]["qwen3-8b-h200"] = yaml.safe_load(PARAMS.read_text())["profiles"]["qwen3-8b-h200"]
+    p["promotion"]["thresholds"]["qwen3-8b-h200"] = {"min_seen": 0.9, "min_unseen": 0.8}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    r = _cli(tmp_path, "sft", "--pairs", "nowhere")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: profile qwen3-8b-h200 runs 8 process(es), one per GPU, but this machine has 0 CUDA GPU(s); run it on the GPU box (`--pool h200`)"]
+
+
+def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_server, tmp_path_factory, mlflow_template):
+    """base -> SFT (LoRA, ZeRO-3, 2 processes) -> GRPO (2 updates, 2 processes, LoRA, the cost-aware
+    reward, one bank) -> evaluate loads the result -> the gate registers it, all through `evoharness run`."""
+    from evoharness import tracking
+    from evoharness.lineage import dvc
+    from evoharness.training.checkpoint import weights_digest
+    from project import make_project
+
+    repo = make_project(tmp_path_factory.mktemp("dist"), _project_params("models/tiny-qwen3"))
+    shutil.copy(mlflow_template, repo / "mlflow.db")
+    dvc(["repro", "demos"], repo)
+    r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--out", "models/tiny-qwen3")  # the toy's pretrained base, as a folder
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli(repo, "run", timeout=1500)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "decision: evoharness-test-tiny-dist version 1 PROMOTED" in r.stdout
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert json.loads(dvc(["status", "--json"], repo) or "{}") == {}
+
+    # The base is a pointer to the folder, by the path the profile names (no machine's absolute path).
+    pointer = json.loads((repo / "data" / "models" / "base" / "pointer.json").read_text())
+    assert pointer["path"] == "models/tiny-qwen3" and pointer["weights"] == weights_digest(repo / "models" / "tiny-qwen3")
+    # SFT: LoRA under ZeRO-3 on 2 processes, weights partitioned as they loaded; saved merged, beside its adapter.
+    for mode in ("inline", "env_only"):
+        m = json.loads((repo / "data" / "metrics" / f"sft-{mode}.json").read_text())
+        assert m["lora"] and m["launch"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": 3, "backend": "gloo", "zero3_init": True}
+        sft = repo / "data" / "models" / f"sft-{mode}"
+        assert (sft / "config.json").exists() and (sft / "model.safetensors").exists() and (sft / "adapter" / "adapter_config.json").exists()
+        assert json.loads((sft / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/tiny-qwen3"
+    # GRPO: 2 updates on 2 processes, each playing its own whole group; one bank, consolidated once per update.
+    g = json.loads((repo / "data" / "metrics" / "grpo.json").read_text())
+    assert g["steps"] == 2 and g["lora"] and g["launch"]["processes"] == 2 and g["launch"]["zero_stage"] == 3 and g["launch"]["zero3_init"]
+    curve = [json.loads(x) for x in (repo / "data" / "plots" / "grpo_curve.jsonl").read_text().splitlines()]
+    assert [c["update"] for c in curve] == [0, 1]
+    demos_bank = json.loads((repo / "data" / "demos" / "experience.json").read_text())["updates"]
+    for u, c in enumerate(curve):
+        procs = sorted(c["processes"], key=lambda p: p["rank"])
+        assert [p["rank"] for p in procs] == [0, 1] and all(len(p["games"]) == 1 and p["rows"] == 4 for p in procs)
+        for p in procs:  # a group is 2 rollouts x 2 rows of one game, each row carrying its episode's cost-aware reward
+            assert len(p["group_rewards"]) == 1 and len(p["group_rewards"][0]) == 4 and len(set(p["group_rewards"][0])) <= 2
+        assert c["episodes"] == 4 and c["errored"] == 0 and set(c["reward"]) == {"success", "efficiency", "diversity", "repeats", "invalid", "total"}
+        assert len(set(c["bank_digests"])) == 1 and c["bank_updates"] == demos_bank + u + 1  # the same bank on both, one consolidation
+    from evoharness.episode import bank_digest
+    from evoharness.harness.experience import Experience
+
+    assert bank_digest(Experience.load(repo / "data" / "models" / "grpo" / "experience.json")) == curve[-1]["bank_digests"][0]
+    grpo = repo / "data" / "models" / "grpo"
+    assert (grpo / "adapter" / "adapter_model.safetensors").exists() and json.loads((grpo / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == "data/models/sft-inline"
+    # Evaluation loaded the merged GRPO model; the gate registered that very model.
+    results = json.loads((repo / "data" / "eval" / "grpo-inline" / "results.json").read_text())
+    assert results["model_digest"] == weights_digest(grpo)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking.tracking_uri(repo)
+    try:
+        c = tracking.client(repo)
+        mv = c.get_model_version_by_alias("evoharness-test-tiny-dist", "champion")
+        assert mv.tags["dvc_md5"] == next(o["md5"] for o in lock["grpo"]["outs"] if o["path"] == "data/models/grpo")
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
