@@ -109,9 +109,9 @@ def main() -> None:
         bare = make_project(tmp / "bare", params)
         orch = make_project(tmp / "orch", params)
         t_bare = timed([py, "-m", "dvc", "repro"], bare, env) + timed([py, "-m", "dvc", "push"], bare, env)
-        t_orch = timed([py, "-m", "evoharness.cli", "run"], orch, env)
+        t_orch = timed([py, "-m", "flows.cli", "run"], orch, env)
         t_stages = stage_seconds(orch)
-        t_noop = min(timed([py, "-m", "evoharness.cli", "run"], orch, env) for _ in range(2))
+        t_noop = min(timed([py, "-m", "flows.cli", "run"], orch, env) for _ in range(2))
         t_bare_noop = timed([py, "-m", "dvc", "repro"], bare, env)
     finally:
         if server is not None:

@@ -1,11 +1,13 @@
 """Run one DVC stage here, or as a job in a clean checkout of a commit (what a pool worker does),
 and bring a job's outputs back by hash. No Prefect here: flows/ and tasks/ wrap these calls.
 
-A job: clone the repo (once per repo and stage, so checkpoints survive for resume), check out the
-commit, install the orchestrator's ``dvc.lock``, pull the stage's inputs by those hashes, run the
-stage (the profile's launcher applies, e.g. ``accelerate launch``), push its outputs, and return
-the stage's new ``dvc.lock`` entry. The orchestrator merges that entry into its own lock and pulls
-the outputs it names: the hashes decide what arrives, never a path.
+A job needs nothing of the orchestrator's machine. It clones the repository from its git origin
+(once per repository and stage, under the worker's own home, so checkpoints survive for resume),
+checks out the dispatched commit, installs the orchestrator's ``dvc.lock``, pulls the stage's inputs
+by those hashes from the DVC remote the commit's ``.dvc/config`` names (with the worker's own
+credentials for it), runs the stage (the profile's launcher applies, e.g. ``accelerate launch``),
+pushes its outputs, and returns the stage's new ``dvc.lock`` entry. The orchestrator merges that
+entry into its own lock and pulls the outputs it names: the hashes decide what arrives, never a path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from evoharness.errors import EvoError
-from evoharness.lineage import default_remote, dvc, git, parse_lock, unlock
+from evoharness.lineage import check_remote, check_shared, default_remote, dvc, git, parse_lock, redact, unlock
 
 WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 
@@ -73,7 +75,7 @@ def clear_stale_locks(root: Path) -> list[int]:
 
 
 def up_to_date(root: Path) -> bool:
-    out = dvc(["status", "--json"], root)
+    out = dvc(["status", "dvc.yaml", "--json"], root)  # the main pipeline (ablation/dvc.yaml runs apart)
     try:
         return json.loads(out or "{}") == {}
     except ValueError:
@@ -138,23 +140,17 @@ def dirty_inputs(root: Path, stage: str) -> list[str]:
     return [line[3:] for line in status.splitlines() if line.strip()]
 
 
-def job_spec(root: Path, stage: str, repo_url: str | None = None) -> dict:
-    """What a worker needs to run a stage: where to clone, which commit, the lock, the remote."""
+def job_spec(root: Path, stage: str, what: str = "pool") -> dict:
+    """What a worker on another machine needs to run a stage: the git origin to clone, the commit,
+    the lock, the DVC remote's name. Refused in one line when another machine could not use them
+    (``lineage.check_shared``). Nothing in it is a path or a credential of this machine."""
     root = Path(root)
     dirty = dirty_inputs(root, stage)
     if dirty:
         raise EvoError(f"cannot dispatch stage {stage!r}: uncommitted changes in {', '.join(dirty)} (the worker runs commit HEAD); commit them first")
-    commit = git(["rev-parse", "HEAD"], root)
-    if not repo_url:
-        repo_url = git(["remote", "get-url", "origin"], root, check=False) or str(root.resolve())
-    remote = default_remote(root)
-    if remote is None:
-        raise EvoError(f"cannot dispatch stage {stage!r}: {root} has no DVC remote to hand inputs over; set one with `evoharness remote --url`")
-    url = remote[1]
-    if "://" not in url and not Path(url).is_absolute():
-        url = str((root / ".dvc" / url).resolve())  # relative remotes are relative to .dvc/
+    origin, commit, remote = check_shared(root, what)
     lock = (root / "dvc.lock").read_text() if (root / "dvc.lock").exists() else ""
-    return {"stage": stage, "repo": repo_url, "commit": commit, "lock": lock, "remote": url}
+    return {"stage": stage, "repo": redact(origin), "commit": commit, "lock": lock, "remote": remote}
 
 
 def push_inputs(root: Path, stage: str) -> list[str]:
@@ -171,30 +167,40 @@ def workspace(repo: str, stage: str, home: Path | None = None) -> Path:
 
 def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
     """The worker's side: checkout, pull inputs by hash, run, push; return the new lock entry."""
+    import socket
+
     stage, repo, commit = spec["stage"], spec["repo"], spec["commit"]
     ws = workspace(repo, stage, home)
+    host = socket.gethostname()
     t0 = time.time()
     if not (ws / ".git").exists():
         ws.parent.mkdir(parents=True, exist_ok=True)
         git(["clone", "-q", "--no-checkout", repo, str(ws)], ws.parent)
     else:
-        git(["fetch", "-q", "origin"], ws, check=False)
+        git(["remote", "set-url", "origin", repo], ws)
+        git(["fetch", "-q", "origin"], ws)
     git(["checkout", "-q", "--force", "--detach", commit], ws)
-    git(["clean", "-q", "-fdx", "-e", "data/checkpoints", "-e", ".dvc/config.local", "-e", ".dvc/cache", "-e", ".dvc/tmp"], ws)
-    echo(f"{stage}: checked out {commit[:12]} of {repo} in {ws}")
+    git(["clean", "-q", "-fdx", "-e", "data/checkpoints", "-e", ".dvc/config.local", "-e", ".dvc/cache", "-e", ".dvc/tmp", "-e", "models"], ws)
+    echo(f"{stage}: checked out {commit[:12]} of {repo} in {ws} on {host}")
+    found = default_remote(ws)
+    if found is None or found[0] != spec["remote"]:
+        raise EvoError(f"{stage}: commit {commit[:12]} names DVC remote {found[0] if found else 'none'!r}, the orchestrator {spec['remote']!r}")
+    try:
+        check_remote(ws)
+    except EvoError as e:
+        raise EvoError(f"{stage} on worker {host}: {e}") from None
+    clear_stale_locks(ws)  # a job killed here before (its worker died) left DVC's lock behind
     shared_cache = ws.parent / "dvc-cache"
     dvc(["cache", "dir", "--local", str(shared_cache)], ws)
-    dvc(["remote", "add", "--local", "--force", "--default", "origin", spec["remote"]], ws)
-    clear_stale_locks(ws)
     (ws / "dvc.lock").write_text(spec["lock"])
     ups = upstream(ws, stage)
     if ups:
         dvc(["pull", *ups], ws)
-    echo(f"{stage}: pulled the outputs of {', '.join(ups) or 'nothing'} by hash")
+    echo(f"{stage}: pulled the outputs of {', '.join(ups) or 'nothing'} by hash from remote {spec['remote']!r}")
     res = run_here(ws, stage)
     dvc(["push", stage], ws)
     echo(f"{stage}: {'ran' if res.ran else 'was up to date'} in {res.seconds:.1f} s and pushed its outputs")
-    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where="job", files=small_files(ws, stage))
+    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage))
 
 
 def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from evoharness.errors import EvoError
+from evoharness.lineage import git, is_network_url, redact
 from flows.common import check_prefect
 
 
@@ -42,7 +43,13 @@ def deploy(root: Path, echo=print) -> list[str]:
     from tasks.stages import ensure_limit
 
     ensure_limit(root)
-    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), PREFECT_API_URL=url)
+    # The stage jobs clone the code from the git origin on whichever machine runs them; the retrain
+    # deployments run on this machine's scheduler worker, in this very checkout (its data and stores).
+    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
+    if not origin or not is_network_url(origin):
+        raise EvoError(f"deploy: the stage jobs clone the code from the git origin, and {root}'s is "
+                       f"{redact(origin) if origin else 'not set'}; push to a git server the workers reach and set it (`git remote add origin <url>`)")
+    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=redact(origin), PREFECT_API_URL=url)
     prefect = Path(sys.executable).parent / "prefect"
     r = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(spec_path)], cwd=root, env=env,
                        capture_output=True, text=True)

@@ -1,7 +1,10 @@
 """``retrain``: the end-to-end flow. Data stages, the validation gate, SFT, GRPO, evaluation and the
 promotion gate, each a visible task with an artifact; MLflow gets a parent run and a child per
 stage. DVC decides what actually runs, so a rerun (after a kill, or with nothing changed) redoes
-nothing that finished. With ``pool`` set, SFT and GRPO go to that work pool's stage deployment.
+nothing that finished. With ``pool`` set, the model stages go to that work pool's stage deployment,
+on machines that share nothing with this one but the git origin, the DVC remote and Prefect.
+Everything that writes to the repository (DVC, the promotion, the end of the MLflow run) happens
+while the retrain holds the repository's DVC slot.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ DISPATCHED = ("base_model", "sft_inline", "sft_env_only", "grpo", "evaluate")
 GATE = "validate"
 
 
-def preflight(root: Path, params_path: str) -> str:
+def preflight(root: Path, params_path: str, pool: str | None = None) -> str:
     """Everything that can be checked before an hour of work: the params and profile, the DVC
-    remote and lock, the MLflow store. Each failure is one line."""
+    remote and lock, the MLflow store, and for a pool that another machine can use the repository
+    and the remote. Each failure is one line."""
     from evoharness import promotion, tracking
     from evoharness.config import load_params
-    from evoharness.lineage import check_remote, ensure_remote
+    from evoharness.lineage import check_remote, check_shared, ensure_remote
     from evoharness.training.profiles import load_profile
 
     if not (root / "dvc.yaml").exists():
@@ -38,6 +42,8 @@ def preflight(root: Path, params_path: str) -> str:
     p = load_params(str(root / params_path))
     load_profile(p.profile, root / params_path)
     promotion.load_promotion(root / params_path, p.profile)
+    if pool:
+        check_shared(root, f"--pool {pool}")  # before ensure_remote could make a local one
     ensure_remote(root)
     check_remote(root)
     stagerun.clear_stale_locks(root)
@@ -86,13 +92,12 @@ def check_deployment(name: str, pool: str) -> None:
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = None, repo_url: str | None = None,
-            deployment: str | None = None, poll_s: float = 5.0) -> dict:
-    """Retrain end to end. pool: a work pool whose ``train-stage`` deployment runs SFT and GRPO
+def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = None, deployment: str | None = None, poll_s: float = 5.0) -> dict:
+    """Retrain end to end. pool: a work pool whose ``train-stage`` deployment runs the model stages
     (``deployment`` overrides its name); none runs every stage in this process."""
     log = get_run_logger()
     rootp = Path(root).resolve()
-    profile = preflight(rootp, params)
+    profile = preflight(rootp, params, pool)
     if pool:
         check_deployment(deployment or f"train-stage/train-stage-{pool}", pool)
     st.ensure_limit(rootp)
@@ -105,16 +110,17 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     parent_f.add_done_callback(monitor.start)
     summary: dict = {}
     try:
-        with st.dvc_slot(rootp):  # one slot for every DVC command of this retrain
+        with st.dvc_slot(rootp, log.info) as slot:  # one slot for everything this retrain writes
             all_cached = st.pipeline_up_to_date(str(rootp))
             ran, cached = [], []
             for stage in names:
+                slot.check()
                 if all_cached:
                     res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
                 elif stage == GATE:
                     res = st.validate_stage(str(rootp), stage)
                 elif pool and stage in DISPATCHED:
-                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", repo_url, poll_s)
+                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", pool, poll_s)
                 else:
                     res = st.run_stage(str(rootp), stage)
                 (ran if res.ran else cached).append(stage)
@@ -123,12 +129,15 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                 tr.log_stage(str(rootp), parent_f.result(), res)
             if ran:
                 st.push_all(str(rootp))
-        parent = parent_f.result()
-        decision = tr.promote(str(rootp), parent, params, profile)
-        summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
-                   "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
-        tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
-        return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1)}
+            slot.check()
+            parent = parent_f.result()
+            decision = tr.promote(str(rootp), parent, params, profile)
+            summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
+                       "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
+            slot.check()
+            rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran
+            tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
+        return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1), **rec}
     except BaseException as e:
         parent_f.wait()
         if parent_f.state.is_completed():

@@ -113,3 +113,195 @@ def mlflow_store(mlflow_template, tmp_path, monkeypatch) -> str:
     uri = f"sqlite:///{db}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+# ---- two hosts on one machine: a git server and a DVC network remote on loopback, another user ----
+
+def _wait_port(port: int, proc, what: str, log: Path, timeout: float = 60) -> None:
+    import socket
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start: {log.read_text()[-2000:] if log.exists() else ''}")
+        time.sleep(0.2)
+
+
+def _stop(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except Exception:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def hosts_dir():
+    """A folder outside pytest's private tmp (which other users cannot enter) for the two hosts, the git
+    server's repositories and the remote's storage; each host's own folder inside is closed to others."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="evoharness-hosts-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+class WebDAV:
+    """A real WebDAV server (wsgidav on cheroot) on loopback, with basic auth: the DVC network remote."""
+
+    def __init__(self, root: Path, port: int, user: str, password: str):
+        self.root, self.port, self.user, self.password = root, port, user, password
+
+    def collection(self, name: str) -> str:
+        """A fresh collection for one project's remote (WebDAV creates no parents: made here)."""
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        return f"webdav://127.0.0.1:{self.port}/{name}"
+
+
+@pytest.fixture(scope="session")
+def webdav(hosts_dir):
+    import secrets
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = hosts_dir / "dav"
+    root.mkdir()
+    port = _free_port()
+    user, password = "evo", secrets.token_hex(8)
+    cfg = hosts_dir / "dav.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "host": "127.0.0.1", "port": port, "provider_mapping": {"/": str(root)}, "verbose": 1,
+        "http_authenticator": {"domain_controller": None, "accept_basic": True, "accept_digest": False, "default_to_digest": False},
+        "simple_dc": {"user_mapping": {"*": {user: {"password": password}}}},
+    }))
+    log = hosts_dir / "dav.log"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "wsgidav"), "--config", str(cfg)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    _wait_port(port, proc, "WebDAV server", log)
+    yield WebDAV(root, port, user, password)
+    _stop(proc)
+
+
+class GitServer:
+    """``git daemon`` on loopback: the origin both hosts clone from (and the orchestrator pushes to)."""
+
+    def __init__(self, base: Path, port: int):
+        self.base, self.port = base, port
+
+    def bare(self, name: str) -> str:
+        import subprocess
+
+        path = self.base / f"{name}.git"
+        subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(path)], check=True)
+        return f"git://127.0.0.1:{self.port}/{name}.git"
+
+
+@pytest.fixture(scope="session")
+def git_server(hosts_dir):
+    import subprocess
+
+    base = hosts_dir / "git"
+    base.mkdir()
+    port = _free_port()
+    log = hosts_dir / "git-daemon.log"
+    proc = subprocess.Popen(["git", "daemon", "--reuseaddr", f"--base-path={base}", "--export-all", "--enable=receive-pack",
+                             "--listen=127.0.0.1", f"--port={port}", str(base)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    _wait_port(port, proc, "git daemon", log)
+    yield GitServer(base, port)
+    _stop(proc)
+
+
+WORKER_USER = "evo-gpu"
+
+# The worker host: another user, in its own mount namespace where the orchestrator's folders are empty
+# and, of the folder that holds this machine's Python (root's home, closed to others), only the Python
+# itself is there: the installed software, nothing of the other host's files.
+_WORKER_SH = r"""set -e
+if [ -n "$EVO_PY_HIDE" ]; then
+  mount --bind "$EVO_PY_PREFIX" "$EVO_PY_STASH"
+  mount -t tmpfs -o mode=755 tmpfs "$EVO_PY_HIDE"
+  mkdir -p "$EVO_PY_PREFIX"
+  mount --bind "$EVO_PY_STASH" "$EVO_PY_PREFIX"
+fi
+for d in $EVO_MASK; do mount --bind "$EVO_EMPTY" "$d"; done
+exec runuser -p -u "$EVO_USER" -- "$@"
+"""
+
+
+class WorkerHost:
+    def __init__(self, user: str, home: Path, base: Path, mask: list[Path]):
+        import sys
+
+        self.user, self.home, self.mask = user, home, mask
+        self.empty = base / "empty"
+        self.empty.mkdir(exist_ok=True)
+        prefix = Path(sys.base_prefix).resolve()
+        hide = next((a for a in reversed(prefix.parents) if a != Path("/") and not (a.stat().st_mode & 0o001)), None)
+        self.py = {"EVO_PY_PREFIX": str(prefix), "EVO_PY_HIDE": str(hide or ""), "EVO_PY_STASH": str(base / "py-stash")}
+        (base / "py-stash").mkdir(exist_ok=True)
+
+    def env(self, **extra) -> dict:
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k.startswith(("PREFECT_API_URL", "LANG", "LC_"))}
+        env.update(HOME=str(self.home), USER=self.user, PREFECT_HOME=str(self.home / ".prefect"), TOKENIZERS_PARALLELISM="false",
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", **extra)
+        return env
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", _WORKER_SH, "worker-host", *cmd]
+
+    def _wrap_env(self, env: dict | None) -> dict:
+        return {**(env or self.env()), **self.py, "EVO_USER": self.user, "EVO_EMPTY": str(self.empty), "EVO_MASK": " ".join(map(str, self.mask))}
+
+    def run(self, cmd: list[str], env: dict | None = None, cwd: Path | None = None, **kw):
+        import subprocess
+
+        return subprocess.run(self.argv(cmd), env=self._wrap_env(env), cwd=cwd or self.home, **kw)
+
+    def popen(self, cmd: list[str], log: Path, env: dict | None = None):
+        import subprocess
+
+        return subprocess.Popen(self.argv(cmd), env=self._wrap_env(env), cwd=self.home, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def worker_host(hosts_dir):
+    """Another user for the worker host, its home (0700) its own, the orchestrator's folders invisible
+    to it (``hosts_dir/orch``, ``hosts_dir/orch-home``). Needs root (CI runs as root)."""
+    import pwd
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.fail("the two-host tests create a second user and a mount namespace for the worker, and need root (CI runs as root)")
+    try:
+        pwd.getpwnam(WORKER_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", WORKER_USER], check=True)
+    home = hosts_dir / "gpu-home"
+    home.mkdir(mode=0o700)
+    shutil.chown(home, WORKER_USER, WORKER_USER)
+    mask = [hosts_dir / "orch", hosts_dir / "orch-home"]
+    for d in mask:
+        d.mkdir(mode=0o700, exist_ok=True)
+    host = WorkerHost(WORKER_USER, home, hosts_dir, mask)
+    r = host.run([sys.executable, "-c", "import evoharness, prefect, dvc"], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail(f"the worker host cannot run this project's Python ({sys.executable}): {r.stderr[-800:]}")
+    return host

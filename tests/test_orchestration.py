@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ def _env(**extra) -> dict:
 
 
 def _cli(repo: Path, *args, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evoharness.cli", *args], cwd=repo, env=env or _env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -53,15 +54,14 @@ def _line(out: str, prefix: str) -> str:
 def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefect_server, project):
     from evoharness import tracking
 
-    proc = subprocess.Popen([sys.executable, "-m", "evoharness.cli", "run"], cwd=project, env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=project, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     try:
-        while "repro --single-item sft_inline" not in _lock_holder(project):
-            assert proc.poll() is None, "retrain ended before SFT started"
+        while not list((project / "data" / "checkpoints" / "sft-inline").glob("*/checkpoint-1")):
+            assert proc.poll() is None, "retrain ended before SFT saved its first checkpoint"
             assert time.time() < deadline, "SFT never started"
-            time.sleep(0.2)
-        time.sleep(2)  # in the middle of the SFT stage
+            time.sleep(0.05)  # in the middle of the SFT stage: its first checkpoint is saved, the rest is not
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -73,7 +73,13 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     t0 = time.time()
     r = _cli(project, "run")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _line(r.stdout, "stages run:").startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, demos, pairs, validate, baselines, base_model")
+    line = _line(r.stdout, "stages run:")
+    # The killed SFT resumes from its checkpoint, or, if it had finished just before the kill, DVC
+    # restores it from its run cache: either way nothing that finished runs again.
+    assert (line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, demos, pairs, validate, baselines, base_model")
+            or line.startswith("stages run: sft_env_only, grpo, evaluate; reused from DVC: games, demos, pairs, validate, baselines, base_model, sft_inline")), line
+    sft = json.loads((project / "data" / "metrics" / "sft-inline.json").read_text())
+    assert sft["resumed_from"] is not None or "sft_inline" not in line.split(";")[0], sft
     assert "PROMOTED" in _line(r.stdout, "decision:")
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     assert {s: lock[s]["outs"] for s in before} == before and (project / "data" / "games").stat().st_mtime_ns == games_mtime
@@ -133,62 +139,6 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     assert json.loads(dvc(["status", "--json"], project) or "{}") == {}
 
 
-def test_a_pool_worker_runs_the_sft_job_and_the_orchestrator_gets_its_outputs_by_hash(prefect_server, project, tmp_path):
-    from prefect import flow
-    from prefect.client.orchestration import get_client
-
-    from evoharness import stagerun
-    from tasks.stages import dispatch_stage, limit_name
-
-    r = _cli(project, "deploy")
-    assert r.returncode == 0, r.stderr[-2000:]
-    with get_client(sync_client=True) as c:
-        dep = c.read_deployment_by_name("retrain/retrain")
-        assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * 1"] and dep.work_pool_name == "cpu"
-        assert {p.name for p in c.read_work_pools()} >= {"cpu", "h200"}
-        assert c.read_deployment_by_name("train-stage/train-stage-h200").work_pool_name == "h200"
-        assert c.read_global_concurrency_limit_by_name(limit_name(project)).limit == 1
-        c.pause_deployment(dep.id)  # its cron must not fire on this worker during the test
-
-    dvc(["repro", "base_model", "pairs"], project)  # no-op after the previous test; builds them otherwise
-    p = yaml.safe_load((project / "params.yaml").read_text())
-    p["profiles"]["tiny-cpu"]["sft"]["max_steps"] = 4  # a new SFT job
-    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-    git(["add", "-A"], project)
-    git(["commit", "-q", "-m", "sft: 4 steps"], project)
-
-    home = tmp_path / "worker-home"
-    log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", "cpu", "--type", "process"],
-                              cwd=tmp_path, env=_env(EVOHARNESS_WORKER_HOME=str(home)), stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-
-    @flow
-    def orchestrate():
-        return dispatch_stage(str(project), "sft_inline", "train-stage/train-stage-cpu", None, 1.0)
-
-    try:
-        res = orchestrate()
-    finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:  # a worker can take its time to deregister; the test is over
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-        log.close()
-    assert res.where.startswith("pool job") and res.ran, (tmp_path / "worker.log").read_text()[-3000:]
-    ws = stagerun.workspace(str(project), "sft_inline", home)
-    assert (ws / "data" / "models" / "sft-inline" / "config.json").exists()  # the job ran in its own checkout
-    job_lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["sft_inline"]
-    here = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sft_inline"]
-    assert here == job_lock == res.entry
-    out = dvc(["status", "sft_inline", "--json"], project)
-    assert json.loads(out or "{}") == {}  # DVC agrees: the outputs here are the job's, byte for byte
-    assert json.loads((project / "data" / "metrics" / "sft-inline.json").read_text())["steps"] == 4
-    assert "submitting flow run" in (tmp_path / "worker.log").read_text()
-
-
 def test_an_unreachable_prefect_server_is_one_line(project):
     env = _env(PREFECT_API_URL="http://127.0.0.1:9/api")
     for args in (["run"], ["deploy"]):
@@ -232,3 +182,58 @@ def test_a_pool_without_its_deployment_is_one_line(prefect_server):
 
     with pytest.raises(EvoError, match=r"--pool gpu9: no deployment 'train-stage/train-stage-gpu9' on the Prefect server; .*evoharness deploy"):
         check_deployment("train-stage/train-stage-gpu9", "gpu9")
+
+
+def test_a_lost_dvc_slot_stops_the_retrain_in_one_line(prefect_server, tmp_path):
+    """A lease that cannot be renewed (here revoked, as when it expired while the server was away)
+    stops the retrain at once, killing the DVC command it was running, instead of running unprotected."""
+    import re
+
+    from prefect.client.orchestration import get_client
+
+    repo = make_project(tmp_path, MICRO)
+    log = tmp_path / "retrain.log"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=repo, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (m := re.search(r"holding the DVC slot of .* \(limit \S+, lease ([0-9a-f-]{36})\)", log.read_text())):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        while "repro --single-item" not in _lock_holder(repo):  # DVC is running a stage
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        with get_client(sync_client=True) as c:
+            c.release_concurrency_slots_with_lease(m.group(1))
+        t0 = time.time()
+        proc.wait(120)
+        stopped = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert proc.returncode == 2, out[-3000:]
+    assert out.strip().splitlines()[-1] == (f"error: lost the DVC slot of {repo} (lease {m.group(1)} was revoked or expired); stopped rather than run "
+                                            "DVC beside another holder; rerun the retrain")
+    assert stopped < 30, stopped  # one renewal period, not the stage's length
+    from evoharness.lineage import _alive
+
+    rw = json.loads(_lock_holder(repo) or "{}")
+    pids = [int(i["pid"]) for mode in ("read", "write") for info in (rw.get(mode) or {}).values() for i in (info if isinstance(info, list) else [info])]
+    assert not any(_alive(pid) for pid in pids)  # the DVC command it was running was killed
+
+
+def test_the_library_imports_neither_prefect_nor_the_flows():
+    """Layers: evoharness/ is the library; flows/ and tasks/ (and the `evoharness` command, flows.cli) sit above it."""
+    import pkgutil
+
+    import evoharness
+
+    mods = [m.name for m in pkgutil.walk_packages(evoharness.__path__, "evoharness.")]
+    code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods) + (
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('prefect', 'flows', 'tasks'))\nprint(','.join(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "", r.stdout[:500]
+    src = "\n".join(p.read_text() for p in Path(evoharness.__file__).parent.rglob("*.py"))
+    assert not re.search(r"^\s*(from|import) (prefect|flows|tasks)\b", src, re.M)

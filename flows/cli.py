@@ -1,0 +1,56 @@
+"""The ``evoharness`` command: the library's commands (``evoharness.cli``) and, above both the library
+and the flows, the ones that start Prefect flows: ``run`` (the retrain) and ``deploy``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from evoharness.cli import PARAMS, app
+from evoharness.cli import main as _main
+
+
+@app.command()
+def run(
+    params: str = PARAMS,
+    pool: Optional[str] = typer.Option(None, help="work pool for the model stages (base, SFT, GRPO, evaluate) via its train-stage "
+                                       "deployment; default: in-process"),
+):
+    """The main job: the `retrain` Prefect flow end to end (data, GX gate, SFT, GRPO, evaluation,
+    promotion), tracked in MLflow; DVC reuses every stage whose inputs did not change."""
+    # Ephemeral mode starts a local server (migrating a fresh database first): on 2 busy cores that
+    # can take longer than Prefect's 20 s default. Set before Prefect reads its settings.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no internet here; its failures are noise
+    from evoharness.lineage import repo_root
+    from evoharness.pipeline import print_results
+    from flows.common import check_prefect
+
+    root = repo_root(Path.cwd())
+    api = check_prefect(required=bool(pool))  # a pool's workers reach the same server: ephemeral mode cannot dispatch
+    home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    typer.echo(f"Prefect: {api or f'ephemeral mode (a local server for this run, database in {home})'}")
+    from flows.retrain import retrain
+
+    res = retrain(root=str(root), params=params, pool=pool)
+    print_results(root, res, api, echo=typer.echo)
+
+
+@app.command()
+def deploy():
+    """Register prefect.yaml's deployments: work pools, the DVC concurrency limit, the retrain crons."""
+    from evoharness.lineage import repo_root
+    from flows.deploy import deploy as run_deploy
+
+    run_deploy(repo_root(Path.cwd()), echo=typer.echo)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The h200 pool on another machine, as two hosts on one: the orchestrator in its own folder and HOME
+(closed to others), the worker as another user in its own HOME that cannot read the orchestrator's,
+the code on a git server (git daemon on loopback) as origin, the data through a DVC network remote (a
+WebDAV server on loopback), Prefect the session's server. Nothing of the orchestrator's disk reaches
+the worker. The tests run in order on one project: a worker killed mid-job, then a rerun with a live
+worker beside a second retrain of the same repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoharness.lineage import dvc, git
+from project import MICRO, make_shared_project
+
+POOL = "h200"
+DEPLOYMENT = "train-stage/train-stage-h200"
+
+
+@pytest.fixture(scope="module")
+def hosts(hosts_dir, webdav, git_server, worker_host, mlflow_template, prefect_server):
+    import shutil
+
+    orch, orch_home = hosts_dir / "orch", hosts_dir / "orch-home"  # made by worker_host, which hides them from the worker
+    params = json.loads(json.dumps(MICRO))
+    params["promotion"]["model_name"] = "evoharness-hosts"
+    repo = make_shared_project(orch, params, git_server.bare("evoharness"), webdav.collection("hosts-store"), webdav.user, webdav.password)
+    shutil.copy(mlflow_template, repo / "mlflow.db")
+    # The worker's own DVC credentials for the remote, in its own global config (never sent by the orchestrator).
+    for args in (["remote", "add", "--global", "storage", webdav.collection("hosts-store")], ["remote", "modify", "--global", "storage", "user", webdav.user],
+                 ["remote", "modify", "--global", "storage", "password", webdav.password]):
+        worker_host.run([sys.executable, "-m", "dvc", *args], check=True, capture_output=True)
+    r = cli(repo, orch_home, "deploy")
+    assert r.returncode == 0, r.stderr[-2000:]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        for name in ("retrain/retrain", "retrain/retrain-h200"):
+            c.pause_deployment(c.read_deployment_by_name(name).id)  # no cron firing during the tests
+        dep = c.read_deployment_by_name(DEPLOYMENT)
+    assert dep.work_pool_name == POOL and dep.pull_steps[0]["prefect.deployments.steps.git_clone"]["repository"].startswith("git://127.0.0.1")
+    assert str(orch) not in json.dumps(dep.pull_steps)  # the job's code comes from the origin, not from this folder
+    return {"repo": repo, "orch": orch, "orch_home": orch_home, "worker": worker_host, "webdav": webdav}
+
+
+def orch_env(home: Path, **extra) -> dict:
+    env = dict(os.environ, HOME=str(home), TOKENIZERS_PARALLELISM="false", **extra)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own store
+    return env
+
+
+def cli(repo: Path, home: Path, *args, timeout: int = 900, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=orch_env(home, **env), capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(repo: Path, home: Path, log: Path, *args, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=orch_env(home, **env), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def start_worker(worker, name: str, log: Path) -> subprocess.Popen:
+    return worker.popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", name], log)
+
+
+def kill_user(user: str) -> None:
+    """The worker's machine is gone: every process of that user, the job and its training included."""
+    subprocess.run(["pkill", "-KILL", "-u", user], check=False)
+    deadline = time.time() + 30
+    while subprocess.run(["pgrep", "-u", user], capture_output=True).returncode == 0 and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def job_runs(stage: str) -> list:
+    """The stage's job flow runs, newest first."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        runs = [fr for fr in c.read_flow_runs(limit=200) if fr.name.startswith(f"{stage}@")]
+    return sorted(runs, key=lambda fr: fr.created, reverse=True)
+
+
+def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None):
+    deadline = time.time() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process ended first: {log.read_text()[-3000:] if log else ''}")
+        if time.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s: {log.read_text()[-3000:] if log else ''}")
+        time.sleep(0.5)
+
+
+def test_the_worker_cannot_read_the_orchestrators_folder(hosts):
+    w = hosts["worker"]
+    r = w.run(["ls", str(hosts["repo"])], capture_output=True, text=True)
+    assert r.returncode != 0 and "No such file or directory" in r.stderr  # not there at all on the worker host
+    r = w.run(["ls", str(hosts["orch"])], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == ""
+    assert w.run(["id", "-un"], capture_output=True, text=True).stdout.strip() == w.user
+
+
+def test_a_worker_killed_mid_job_is_detected_and_the_retrain_fails_in_one_line(hosts, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from tasks.stages import limit_name
+
+    repo, w = hosts["repo"], hosts["worker"]
+    worker = start_worker(w, "gpu-box-1", tmp_path / "worker1.log")
+    log = tmp_path / "retrain1.log"
+    proc = start_cli(repo, hosts["orch_home"], log, "run", "--pool", POOL, EVOHARNESS_JOB_LEASE_S="60")
+    try:
+        running = wait_for(lambda: [fr for fr in job_runs("sft_inline") if fr.state and fr.state.is_running()], 600,
+                           "the sft_inline job running on the worker", proc, log)
+        time.sleep(3)  # mid-job
+        killed = time.time()
+        kill_user(w.user)
+        proc.wait(300)
+        detected = time.time() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        worker.wait(30)
+    out = log.read_text()
+    last = out.strip().splitlines()[-1]
+    assert proc.returncode == 2, out[-3000:]
+    assert re.match(r"error: stage 'sft_inline': no heartbeat for \d+ s from the sft_inline job on worker \S+ \(pool h200\)", last), last
+    assert "marked crashed; rerun the retrain with a live worker" in last
+    assert detected < 60 + 35 + 30, detected  # the lease, one heartbeat period, polling
+    print(f"dead worker detected {detected:.0f} s after the kill")
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(running[0].id)
+        assert fr.state.is_crashed() and "no heartbeat" in fr.state.message
+        assert c.read_global_concurrency_limit_by_name(limit_name(repo)).active_slots == 0  # the slot is free: nothing stuck
+        assert not [x for x in c.read_flow_runs(limit=200) if "@" in x.name and x.state and x.state.is_running()]  # no job left running
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert "base_model" in lock and "sft_inline" not in lock  # the base was made on the worker before it died
+    hosts["crashed_job"] = str(running[0].id)
+
+
+def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrain_that_waits(hosts, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    repo, w = hosts["repo"], hosts["worker"]
+    worker = start_worker(w, "gpu-box-2", tmp_path / "worker2.log")
+    log2, log3 = tmp_path / "retrain2.log", tmp_path / "retrain3.log"
+    t0 = time.time()
+    r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL)
+    try:
+        wait_for(lambda: "holding the DVC slot" in log2.read_text(), 300, "the rerun holding the DVC slot", r2, log2)
+        r3 = start_cli(repo, hosts["orch_home"], log3, "run")  # a second retrain of the same repository, in-process
+        wait_for(lambda: "waiting for the DVC slot" in log3.read_text(), 300, "the second retrain waiting", r3, log3)
+        r2.wait(1500)
+        r2_end = time.time()
+        r3.wait(600)
+        r3_end = time.time()
+    finally:
+        for p in (r2, locals().get("r3")):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        kill_user(w.user)
+        worker.wait(30)
+    out2, out3 = log2.read_text(), log3.read_text()
+    assert r2.returncode == 0, out2[-4000:]
+    line = next(ln for ln in out2.splitlines() if ln.startswith("stages run:"))
+    assert line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, demos, pairs, validate, baselines, base_model"), line
+    assert "PROMOTED" in out2
+    print(f"rerun with a live worker: {r2_end - t0:.0f} s; {line}")
+    # The stages ran as fresh jobs on the worker (not the crashed one), from the origin's commit.
+    with get_client(sync_client=True) as c:
+        for stage in ("sft_inline", "sft_env_only", "grpo", "evaluate"):
+            runs = [fr for fr in job_runs(stage) if fr.state and fr.state.is_completed()]
+            assert runs and str(runs[0].id) != hosts.get("crashed_job"), stage
+            assert str(hosts["orch"]) not in json.dumps(runs[0].parameters, default=str)  # nothing of the orchestrator's disk
+            assert runs[0].parameters["spec"]["repo"].startswith("git://127.0.0.1")
+    assert json.loads(dvc(["status", "--json"], repo) or "{}") == {}  # DVC agrees: every stage is up to date here
+    assert (w.home / ".cache" / "evoharness" / "worker").is_dir()  # the jobs' checkouts live in the worker's own home
+    # The second retrain waited for the first, then found nothing to do.
+    assert r3.returncode == 0, out3[-3000:]
+    assert "stages run: none; reused from DVC: games" in out3 and "decided before; nothing changed" in out3
+    assert r3_end > r2_end
+    # The rerun left its git record on origin: a tag naming its MLflow run, holding its dvc.lock.
+    rec = re.search(r"git record: (retrain/([0-9a-f]{32})) \(([0-9a-f]{12})\)", out2)
+    assert rec, out2[-2000:]
+    hosts["run_id"] = rec.group(2)
+    remote_tags = git(["ls-remote", "--tags", "origin"], repo)
+    assert f"refs/tags/{rec.group(1)}" in remote_tags
+    assert yaml.safe_load(git(["show", f"{rec.group(1)}:dvc.lock"], repo)) == yaml.safe_load((repo / "dvc.lock").read_text())
+
+
+def test_pool_refuses_what_another_machine_cannot_reach(hosts, tmp_path, git_server):
+    from project import make_project
+
+    repo = make_project(tmp_path, MICRO)  # no origin, a local DVC remote in config.local
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --pool h200: ") and "has no git origin" in r.stderr
+    bare = tmp_path / "origin.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
+    git(["remote", "add", "origin", str(bare)], repo)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    assert r.returncode == 2 and "is a path on this machine, which the workers cannot clone" in r.stderr.strip().splitlines()[-1]
+    git(["remote", "set-url", "origin", git_server.bare("refuse")], repo)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    assert r.returncode == 2 and "is not on origin" in r.stderr.strip().splitlines()[-1] and "git push" in r.stderr
+    git(["push", "-q", "origin", "main"], repo)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    assert r.returncode == 2 and "names no default DVC remote" in r.stderr.strip().splitlines()[-1]
+    dvc(["remote", "add", "-d", "disk", str(tmp_path / "remote")], repo)
+    git(["commit", "-qam", "a remote on this disk"], repo)
+    git(["push", "-q", "origin", "main"], repo)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    assert r.returncode == 2 and "is a folder on this machine, which the workers cannot reach" in r.stderr.strip().splitlines()[-1]
+    assert not (repo / "dvc.lock").exists()  # refused before any stage ran
+
+
+def test_reproduce_the_retrain_on_the_worker_host_from_a_fresh_clone(hosts):
+    """`reproduce <MLflow run id>` on the other host: a fresh clone in its own folder and HOME, the data
+    from the network remote with that host's own credentials; every stage re-run on its recorded inputs."""
+    w, run_id = hosts["worker"], hosts["run_id"]
+    origin = git(["config", "--get", "remote.origin.url"], hosts["repo"])
+    clone = w.home / "reproduce-here"
+    r = w.run(["git", "clone", "-q", origin, str(clone)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    t0 = time.time()
+    r = w.run([sys.executable, "-m", "flows.cli", "reproduce", run_id], cwd=clone, capture_output=True, text=True, timeout=1500)
+    took = time.time() - t0
+    out = r.stdout
+    print(out[out.find("stage "):])
+    print(f"reproduce on the worker host: {took:.0f} s")
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"^\S+ +data/\S+ +[0-9a-f]{32}", ln)]
+    assert rows and r.returncode in (0, 2), (out[-3000:], r.stderr[-3000:])
+    verdict = {(x[0], x[1]): " ".join(x[4:]) for x in rows}
+    resumed = {s for s in ("sft_inline", "sft_env_only", "grpo")
+               if json.loads(git(["show", f"retrain/{run_id}:data/metrics/{s.replace('_', '-', 1) if s.startswith('sft') else s}.json"],
+                                 hosts["repo"])).get("resumed_from")}
+    for (stage, path), v in verdict.items():
+        if stage in resumed:  # trained across the worker's death: resumed from a checkpoint, not bit for bit
+            continue
+        assert v == "yes", (stage, path, v, out[-3000:])
+    assert r.returncode == 0 or resumed, r.stderr[-2000:]
+    assert {"games", "demos", "pairs", "base_model", "sft_env_only", "grpo", "evaluate"} <= {s for s, _ in verdict}
