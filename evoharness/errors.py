@@ -11,7 +11,9 @@ class EvoError(Exception):
     """
 
     def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
+        from evoharness.secrets import redact
+
+        super().__init__(redact(" ".join(str(message).split())))  # never a credential in an error line
 
 
 class EnvWorkerError(EvoError):

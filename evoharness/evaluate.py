@@ -5,6 +5,7 @@ fingerprint is already in ``episodes.jsonl`` (and did not error) is not played a
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -19,8 +20,21 @@ from evoharness.policies import PolicySpec, make_policy
 from evoharness.rollout import JsonlWriter, read_jsonl, run_batch
 
 
+def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = wins / n
+    d = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (round(max(0.0, mid - half), 4), round(min(1.0, mid + half), 4))
+
+
 def summarize(records: list[dict]) -> dict:
-    """Per family and overall: episodes, success, mean steps, calls per episode by verb, invalid rate."""
+    """Per family and overall: episodes, wins, success (an errored episode counts as a failure: a
+    model whose episodes crash must not score higher) with its 95 % Wilson interval, mean steps,
+    calls per episode by verb and invalid rate (over the episodes that did not error)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         groups[FAMILIES.get(r["family"], r["family"])].append(r)
@@ -30,11 +44,16 @@ def summarize(records: list[dict]) -> dict:
         ok = [r for r in rs if not r.get("error")]
         n = len(ok)
         turns = sum(r["outcome"]["turns"] for r in ok)
+        wins = sum(bool(r["outcome"].get("won")) for r in ok)
         return {
             "episodes": len(rs),
             "errored": len(rs) - n,
-            "success": round(sum(r["outcome"]["won"] for r in ok) / n, 4) if n else 0.0,
+            "wins": wins,
+            "success": round(wins / len(rs), 4) if rs else 0.0,
+            "ci95": list(wilson(wins, len(rs))),
             "steps": round(sum(r["outcome"]["steps"] for r in ok) / n, 2) if n else 0.0,
+            "steps_free": round(sum(r["outcome"].get("steps_free", 0) for r in ok) / n, 2) if n else 0.0,
+            "steps_charged": round(sum(r["outcome"].get("steps_charged", 0) for r in ok) / n, 2) if n else 0.0,
             "calls": {v: round(sum(r["outcome"]["calls"][v] for r in ok) / n, 3) if n else 0.0 for v in META_VERBS},
             "invalid_rate": round(sum(r["outcome"]["invalid"] for r in ok) / turns, 4) if turns else 0.0,
         }

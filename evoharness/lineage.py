@@ -1,5 +1,6 @@
-"""DVC owns lineage: run DVC for the project, say which stage/params/inputs made an artifact, and
-reproduce a past run from its hashes in a scratch worktree.
+"""DVC owns lineage: run DVC for the project, say which stage/params/inputs made an artifact, check
+what another machine can reach (the git origin, the DVC remote). Reproducing a past run lives in
+``evoharness.reproduce``.
 
 DVC is run as ``python -m dvc`` with the virtualenv's ``bin`` first on PATH, so stage commands
 (``python -m evoharness.cli ...``) use this environment and, run from a worktree's root, import
@@ -10,23 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from evoharness.errors import EvoError
+from evoharness.secrets import redact
 
 DEFAULT_REMOTE = Path.home() / ".cache" / "evoharness" / "dvc-remote"
 
 
-def _env() -> dict:
+def _env(python: str | None = None) -> dict:
     env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = str(Path(python or sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("GX_ANALYTICS_ENABLED", "false")
     env["DVC_NO_ANALYTICS"] = "1"
     return env
@@ -52,7 +54,7 @@ def _last_error(text: str) -> str:
 def git(args: list[str], cwd: Path, check: bool = True) -> str:
     r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if check and r.returncode != 0:
-        raise EvoError(f"git {' '.join(args)} in {cwd}: {_last_error(r.stderr or r.stdout)}")
+        raise EvoError(redact(f"git {' '.join(args)} in {cwd}: {_last_error(r.stderr or r.stdout)}"))
     return r.stdout.strip()
 
 
@@ -77,6 +79,65 @@ def default_remote(root: Path) -> tuple[str, str] | None:
     return name, str(remote.get("url", ""))  # DVC's loader already made a relative local path absolute
 
 
+NETWORK_SCHEMES = ("s3", "gs", "gcs", "azure", "ssh", "sftp", "webdav", "webdavs", "http", "https", "hdfs", "oss", "git")
+
+
+def is_network_url(url: str) -> bool:
+    """A URL another machine can resolve: a network scheme, or git's ``user@host:path``. A folder
+    path or ``file://`` names this machine's disk only."""
+    url = url.strip()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme:
+        return scheme in NETWORK_SCHEMES
+    head = url.split("/", 1)[0]
+    return "@" in head and ":" in head  # scp-like git address
+
+
+def committed_remote(root: Path, commit: str = "HEAD") -> tuple[str, str] | None:
+    """(name, url) of the default remote that ``.dvc/config`` holds at ``commit``: what a fresh clone
+    on another machine sees (``config.local`` is never cloned)."""
+    from configobj import ConfigObj, ConfigObjError
+
+    r = subprocess.run(["git", "show", f"{commit}:.dvc/config"], cwd=root, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    try:
+        conf = ConfigObj(r.stdout.splitlines())
+    except ConfigObjError as e:
+        raise EvoError(f".dvc/config at {commit[:12]} is invalid: {e}") from None
+    name = (conf.get("core") or {}).get("remote", "")
+    url = (conf.get(f'remote "{name}"') or {}).get("url", "") if name else ""
+    return (name, url) if name and url else None
+
+
+def check_shared(root: Path, what: str) -> tuple[str, str, str]:
+    """The repository and DVC remote a machine other than this one can reach, for ``what`` (a pool):
+    (git origin URL, the commit, the DVC remote's name). One line naming the fix otherwise: the code
+    must be on a git origin both machines reach, the commit pushed there, and the default DVC remote a
+    network one named in the committed ``.dvc/config`` (its credentials stay in each machine's own
+    config)."""
+    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
+    if not origin:
+        raise EvoError(f"{what}: {root} has no git origin, and the workers clone the code from it; add one both machines reach "
+                       "(`git remote add origin ssh://git@host/evoharness.git` and push)")
+    if not is_network_url(origin):
+        raise EvoError(f"{what}: the git origin {redact(origin)} is a path on this machine, which the workers cannot clone; "
+                       "push to a git server both machines reach and `git remote set-url origin <url>`")
+    commit = git(["rev-parse", "HEAD"], root)
+    git(["fetch", "-q", "origin"], root, check=False)
+    if not git(["branch", "-r", "--contains", commit], root, check=False):
+        raise EvoError(f"{what}: commit {commit[:12]} is not on origin {redact(origin)}, and the workers run that commit; `git push` it first")
+    found = committed_remote(root, commit)
+    if found is None:
+        raise EvoError(f"{what}: the committed .dvc/config names no default DVC remote (a remote only in .dvc/config.local is "
+                       "invisible to another machine); `dvc remote add -d storage <url>` without --local, then commit")
+    name, url = found
+    if not is_network_url(url):
+        raise EvoError(f"{what}: DVC remote {name!r} ({redact(url)}) is a folder on this machine, which the workers cannot reach; "
+                       "use a network remote (S3, SSH, WebDAV) that both machines reach")
+    return origin, commit, name
+
+
 def check_remote(root: Path) -> None:
     """DVC reports an unreachable HTTP or missing local remote as 'everything is up to date';
     check what can be checked without credentials and say so in one line."""
@@ -87,33 +148,69 @@ def check_remote(root: Path) -> None:
     if "://" not in url:
         path = Path(url) if Path(url).is_absolute() else (Path(root) / ".dvc" / url)
         if not path.is_dir():
-            raise EvoError(f"DVC remote {name!r} ({url}) does not exist or is not a folder")
-    elif url.startswith(("http://", "https://")):
+            raise EvoError(f"DVC remote {name!r} ({redact(url)}) does not exist or is not a folder")
+    elif url.startswith(("http://", "https://", "webdav://", "webdavs://")):
         import httpx
 
+        probe = url.replace("webdavs://", "https://", 1).replace("webdav://", "http://", 1)
         try:
-            httpx.head(url, timeout=5.0)
+            httpx.head(probe, timeout=5.0)
         except httpx.HTTPError as e:
-            raise EvoError(f"DVC remote {name!r} ({url}) is unreachable ({type(e).__name__})") from None
+            raise EvoError(f"DVC remote {name!r} ({redact(url)}) is unreachable ({type(e).__name__})") from None
 
 
-def dvc(args: list[str], cwd: Path, stream: bool = False) -> str:
-    """Run a DVC command; a failure is one line naming the command, the folder and DVC's reason."""
+_GUARDS: list = []
+
+
+@contextmanager
+def guarded(check):
+    """While inside, every DVC command is watched by ``check()``, called about once a second: when it
+    raises (say, the caller lost the lease that made it the repository's only DVC user), the command's
+    process group is killed at once and the error is raised instead of letting DVC run unprotected."""
+    _GUARDS.append(check)
+    try:
+        yield
+    finally:
+        _GUARDS.remove(check)
+
+
+def _run_guarded(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    import signal
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        while True:
+            try:
+                proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                for check in list(_GUARDS):
+                    check()
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
+def dvc(args: list[str], cwd: Path, python: str | None = None) -> str:
+    """Run a DVC command (with ``python``'s environment, default this one's); a failure is one line
+    naming the command, the folder and DVC's reason, with any credentials in it redacted."""
     check_lock(cwd)
     if args and args[0] in ("push", "pull", "fetch") and not any(a in ("-r", "--remote") for a in args):
         check_remote(cwd)
-    cmd = [sys.executable, "-m", "dvc", *args]
-    if stream:
-        r = subprocess.run(cmd, cwd=cwd, env=_env(), stderr=subprocess.PIPE, text=True)
-        out = ""
-    else:
-        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
-        out = r.stdout
+    cmd = [python or sys.executable, "-m", "dvc", *args]
+    for check in list(_GUARDS):
+        check()
+    r = _run_guarded(cmd, cwd, _env(python))
+    out = r.stdout
     if r.returncode != 0:
         err = r.stderr or ""
-        if stream and err:
-            sys.stderr.write(err)
-        raise EvoError(f"dvc {' '.join(args)} failed in {cwd}: {_last_error(err or out)}")
+        raise EvoError(redact(f"dvc {' '.join(args)} failed in {cwd}: {_last_error(err or out)}"))
     return out
 
 
@@ -234,25 +331,6 @@ def lock_outs(stages: dict) -> list[Out]:
     return res
 
 
-def find_commit(ref: str, root: Path) -> tuple[str, str]:
-    """(commit, how it was found) for a git commit, a DVC hash in some dvc.lock, or an MLflow run id."""
-    # A hex string could be either a DVC hash or a commit: a dvc.lock match wins.
-    r = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=root, capture_output=True, text=True)
-    h = ref.lower().removesuffix(".dir")
-    if len(h) >= 6:
-        for commit in git(["log", "--format=%H", "--", "dvc.lock"], root).split():
-            text = subprocess.run(["git", "show", f"{commit}:dvc.lock"], cwd=root, capture_output=True, text=True).stdout
-            for o in lock_outs(parse_lock(text)):
-                if o.kind == "out" and o.md5.removesuffix(".dir").startswith(h):
-                    return commit, f"{o.path} (stage {o.stage}) has md5 {o.md5}"
-    if r.returncode == 0:
-        return r.stdout.strip(), "git commit"
-    run_commit = _mlflow_commit(ref, root)
-    if run_commit:
-        return run_commit, f"MLflow run {ref}"
-    raise EvoError(f"{ref!r} is neither a git commit, nor an output hash in any committed dvc.lock, nor a known MLflow run id")
-
-
 def _mlflow_commit(run_id: str, root: Path) -> str | None:
     """The git commit a retrain's MLflow run was tagged with, in the project's tracking store."""
     from evoharness import tracking
@@ -265,48 +343,6 @@ def _mlflow_commit(run_id: str, root: Path) -> str | None:
     except Exception:  # not a run id in this store (or the store is unreachable): not an MLflow reference
         return None
     return run.data.tags.get("git_commit") or run.data.tags.get("mlflow.source.git.commit")
-
-
-def reproduce(ref: str, root: Path, echo=print, keep: bool = False) -> list[dict]:
-    """Restore the commit behind ref in a scratch worktree, pull its data, re-run every stage,
-    and report per stage and output whether the hash matches the recorded one."""
-    root = repo_root(root)
-    commit, how = find_commit(ref, root)
-    echo(f"reproducing commit {commit[:12]} ({how})")
-    work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
-    git(["worktree", "add", "--detach", str(work), commit], root)
-    try:
-        for name in ("config.local",):
-            src = root / ".dvc" / name
-            if src.exists():
-                shutil.copy(src, work / ".dvc" / name)
-        lock = work / "dvc.lock"
-        if not lock.exists():
-            raise EvoError(f"commit {commit[:12]} has no dvc.lock to reproduce")
-        expected = parse_lock(lock.read_text())
-        targets = sorted(expected)  # exactly the stages that run recorded, and what they depend on
-        try:
-            dvc(["pull", "--with-deps", *targets], work)
-            echo("pulled the recorded data from the remote")
-        except EvoError as e:
-            echo(f"warning: {e}")
-        dvc(["repro", "--force", *targets], work, stream=False)
-        got = parse_lock(lock.read_text())
-        rows = []
-        for stage, st in expected.items():
-            new_outs = {o["path"]: o.get("md5") for o in (got.get(stage, {}).get("outs") or [])}
-            for o in st.get("outs") or []:
-                rows.append({"stage": stage, "path": o["path"], "expected": o.get("md5"), "got": new_outs.get(o["path"]),
-                             "match": o.get("md5") == new_outs.get(o["path"])})
-        w = max(len(r["path"]) for r in rows) if rows else 10
-        echo(f"{'stage':<10} {'output':<{w}} {'recorded':<36} {'reproduced':<36} match")
-        for r in rows:
-            echo(f"{r['stage']:<10} {r['path']:<{w}} {str(r['expected']):<36} {str(r['got']):<36} {'yes' if r['match'] else 'NO'}")
-        return rows
-    finally:
-        if not keep:
-            git(["worktree", "remove", "--force", str(work)], root, check=False)
-            shutil.rmtree(work.parent, ignore_errors=True)
 
 
 def lineage(target: str, root: Path, echo=print) -> dict:
@@ -334,7 +370,9 @@ def lineage(target: str, root: Path, echo=print) -> dict:
             break
     looks_like_hash = len(t) >= 6 and all(c in "0123456789abcdef" for c in t.lower().removesuffix(".dir"))
     if hit is None and looks_like_hash:
-        commit, _ = find_commit(t, root)
+        from evoharness.reproduce import find_record
+
+        commit, _ = find_record(t, root)
         text = git(["show", f"{commit}:dvc.lock"], root)
         stages = parse_lock(text)
         hit = next((o for o in lock_outs(stages) if o.kind == "out" and o.md5.removesuffix(".dir").startswith(t.removesuffix(".dir"))), None)

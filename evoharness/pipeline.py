@@ -54,6 +54,8 @@ def print_results(root: Path, res: dict, prefect_api: str | None, echo: Callable
     for c in d.get("checks", []):
         echo(f"  - {c}")
     uri = tracking_uri(root)
+    if res.get("git_ref"):
+        echo(f"git record: {res['git_ref']} ({res['git_record_commit'][:12]}): `evoharness reproduce {res['parent_run_id']}` re-makes it")
     echo(f"MLflow run {res['parent_run_id']}: `mlflow ui --backend-store-uri {uri}` then http://127.0.0.1:5000 (`evoharness promotions` lists decisions)")
     if prefect_api:
         echo(f"Prefect UI: {prefect_api.removesuffix('/api')}")

@@ -98,7 +98,9 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}.{i}"))
     else:
         out[prefix] = d
-    return {k: v for k, v in out.items() if not _secret(k)}
+    from evoharness.secrets import redact
+
+    return {k: (redact(v) if isinstance(v, str) else v) for k, v in out.items() if not _secret(k)}
 
 
 def numeric(d: dict) -> dict[str, float]:
@@ -133,7 +135,9 @@ def log_params(c, run_id: str, params: dict) -> None:
 def set_tags(c, run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
-    items = [RunTag(k, str(v)) for k, v in tags.items() if not _secret(k)]
+    from evoharness.secrets import redact
+
+    items = [RunTag(k, redact(str(v))) for k, v in tags.items() if not _secret(k)]
     for i in range(0, len(items), 100):
         c.log_batch(run_id, tags=items[i : i + 100])
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with everything it needs. Idempotent: a stamp keyed by
-# the hash of pyproject.toml skips the install when nothing changed.
+# Create .venv and install the project with everything it needs, at the versions constraints.txt pins.
+# Idempotent: a stamp keyed by the hash of pyproject.toml, constraints.txt and this script skips the
+# install when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -9,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.evoharness-installed
-want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -18,5 +19,6 @@ fi
 .venv/bin/pip install -q torch==2.13.0
 # DeepSpeed builds from source: no CUDA ops, and against the torch above (no isolated build env).
 DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation deepspeed==0.19.8
-.venv/bin/pip install -q -e ".[test]"
+# Every package at the version in constraints.txt: the same environment on every machine and in a reproduce.
+.venv/bin/pip install -q -c constraints.txt -e ".[test]"
 echo "$want" > "$stamp"

@@ -84,6 +84,21 @@ def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
     return rid
 
 
+@task(name="git-record-retrain", cache_policy=NO_CACHE)
+def record(root: str, parent_id: str, summary: dict) -> dict:
+    """The retrain's git record (``reproduce.record_run``): a commit holding its dvc.lock, params and
+    metrics, tagged ``retrain/<run id>`` and pushed to a network origin; the MLflow run names it."""
+    from evoharness.reproduce import record_run
+
+    msg = (f"retrain {parent_id}: {summary.get('profile', '')} profile; ran {summary.get('ran', 'none')}; reused {summary.get('cached', 'none')}; "
+           f"{summary.get('decision', '?')} (model version {summary.get('model_version', '?')})\n\nMLflow run {parent_id}")
+    tag, commit = record_run(Path(root), parent_id, msg, echo=print)
+    c = tracking.client(Path(root))
+    c.set_tag(parent_id, "git_ref", tag)
+    c.set_tag(parent_id, "git_record_commit", commit)
+    return {"git_ref": tag, "git_record_commit": commit}
+
+
 @task(name="mlflow-finish-retrain", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
 def finish_parent(root: str, parent_id: str, params_path: str, status: str, summary: dict) -> None:
     c = tracking.client(Path(root))
@@ -111,27 +126,55 @@ def fail_parent(root: str, parent_id: str, error: str) -> None:
         pass
 
 
+def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
+    """The candidate's evaluation and those it must beat, read from the evaluate and baselines stages."""
+    from evoharness import promotion
+    from evoharness.config import load_params
+
+    mode = load_params(str(rootp / params_path)).episode.harness.mode
+    evald, based = rootp / "data" / "eval", rootp / "data" / "baselines"
+
+    def dirs(label: str) -> dict[str, Path]:
+        if (evald / label).is_dir():
+            return {s: evald / label / s for s in promotion.SPLITS}
+        return {s: based / f"{label}-{mode}-{s}" for s in promotion.SPLITS}
+
+    cand = promotion.evidence_from_dirs(promotion.CANDIDATE, dirs(promotion.CANDIDATE), games_md5)
+    refs = {label: promotion.evidence_from_dirs(label, dirs(label), games_md5) for label in t.must_beat}
+    return cand, refs
+
+
 @task(name="promotion-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=3)
 def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
+    """The gate on the evaluated GRPO model. A retry of this task completes the decision the first
+    attempt left pending (``promotion.gate``), never reports one it did not make."""
     from evoharness import promotion
 
     rootp = Path(root)
     pp, thresholds = promotion.load_promotion(rootp / params_path, profile)
     c = tracking.client(rootp)
     name = promotion.registered_name(pp, profile)
-    results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
     grpo = stagerun.lock_entry(rootp, "grpo")
     md5 = next((o["md5"] for o in grpo.get("outs", []) if o["path"] == "data/models/grpo"), "")
+    games_md5 = next((o["md5"] for o in stagerun.lock_entry(rootp, "games").get("outs", []) if o["path"] == "data/games"), "")
+    cand, refs = _evidence(rootp, params_path, games_md5, thresholds)
+    results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
     parent = c.get_run(parent_id)
-    run = c.create_run(parent.info.experiment_id, run_name="promote",
-                       tags={"mlflow.parentRunId": parent_id, "stage": "promote", "git_commit": parent.data.tags.get("git_commit", "none"),
-                             "dvc.dep.data/models/grpo": md5})
+    existing = c.search_model_versions(f"name='{name}' and tag.dvc_md5='{md5}'")
+    if existing and (max(existing, key=lambda m: int(m.version)).tags or {}).get("decision.state") == "pending":
+        run_id = max(existing, key=lambda m: int(m.version)).run_id  # finish the decision that run began
+    else:
+        run = c.create_run(parent.info.experiment_id, run_name="promote",
+                           tags={"mlflow.parentRunId": parent_id, "stage": "promote", "git_commit": parent.data.tags.get("git_commit", "none"),
+                                 "dvc.dep.data/models/grpo": md5})
+        run_id = run.info.run_id
     report_dir = rootp / "reports" / "promotion" / md5[:12]
-    d = promotion.gate(c, name, run.info.run_id, rootp / "data" / "models" / "grpo", md5, results, thresholds,
-                       list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True))
-    c.set_terminated(run.info.run_id, "FINISHED")
+    d = promotion.gate(c, name, run_id, rootp / "data" / "models" / "grpo", md5, cand, refs, thresholds,
+                       list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"))
+    if not d.reused:
+        c.set_terminated(run_id, "FINISHED")
     md_path = report_dir / "promotion.md"
-    md = md_path.read_text() if md_path.exists() else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)
+    md = md_path.read_text() if md_path.exists() and not d.reused else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)
     create_markdown_artifact(key="promotion-decision", markdown=md, description=f"{name} v{d.version}: {d.word}")
     return {"model": name, "version": d.version, "decision": d.word, "reasons": d.reasons, "reused": d.reused,
             "checks": [c_.line() for c_ in d.checks]}

@@ -39,7 +39,7 @@ MICRO = {
         "eval_max_steps": 6,
         "episode_workers": 2,
     }},
-    "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05}}},
+    "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": []}}},
 }
 
 
@@ -48,7 +48,7 @@ def make_project(base: Path, params: dict | None = None, remote: Path | None = N
     repo.mkdir(parents=True)
     for d in ("evoharness", "flows", "tasks", "configs"):
         shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__"))
-    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml"):
+    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml", "constraints.txt"):
         shutil.copy(ROOT / f, repo / f)
     (repo / "params.yaml").write_text(yaml.safe_dump(params or MICRO, sort_keys=False))
     git(["init", "-q", "-b", "main"], repo)
@@ -59,4 +59,30 @@ def make_project(base: Path, params: dict | None = None, remote: Path | None = N
     ensure_remote(repo, str(remote or (Path(base) / "remote")))
     git(["add", "-A"], repo)
     git(["commit", "-q", "-m", "pipeline"], repo)
+    return repo
+
+
+def make_shared_project(base: Path, params: dict, origin: str, remote_url: str, user: str, password: str) -> Path:
+    """A project as a team keeps it: code pushed to a git origin, the default DVC remote a network
+    one named in the committed .dvc/config, its credentials only in this machine's config.local."""
+    repo = Path(base) / "repo"
+    repo.mkdir(parents=True)
+    for d in ("evoharness", "flows", "tasks", "configs"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml", "constraints.txt"):
+        shutil.copy(ROOT / f, repo / f)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    git(["init", "-q", "-b", "main"], repo)
+    git(["config", "user.email", "t@example.com"], repo)
+    git(["config", "user.name", "t"], repo)
+    dvc(["init", "-q"], repo)
+    dvc(["config", "core.autostage", "true"], repo)
+    dvc(["remote", "add", "-d", "storage", remote_url], repo)
+    dvc(["remote", "modify", "--local", "storage", "user", user], repo)
+    dvc(["remote", "modify", "--local", "storage", "password", password], repo)
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "pipeline"], repo)
+    git(["remote", "add", "origin", origin], repo)
+    git(["push", "-q", "origin", "main"], repo)
+    git(["branch", "-q", "--set-upstream-to=origin/main"], repo)
     return repo

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from evoharness.errors import EvoError
-from evoharness.lineage import check_remote, dvc, ensure_remote, find_commit, git, lineage, parse_lock, reproduce, unlock
+from evoharness.lineage import check_remote, dvc, ensure_remote, git, lineage, parse_lock, unlock
+from evoharness.reproduce import find_record, reproduce
 from project import MICRO, make_project
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_fresh_clone_plus_pull_restores_the_data(repo, tmp_path):
 def test_reproduce_by_hash_reports_identical_hashes(repo):
     stages = parse_lock((repo / "dvc.lock").read_text())
     pairs_md5 = next(o["md5"] for o in stages["pairs"]["outs"] if o["path"] == "data/pairs")
-    commit, how = find_commit(pairs_md5[:10], repo)
+    commit, how = find_record(pairs_md5[:10], repo)
     assert commit == git(["rev-parse", "HEAD"], repo) and "data/pairs" in how
     lines = []
     rows = reproduce(pairs_md5[:10], repo, echo=lines.append)
@@ -84,6 +85,12 @@ def test_reproduce_by_hash_reports_identical_hashes(repo):
     assert {r["path"] for r in rows} >= {"data/games", "data/demos", "data/pairs", "data/baselines", "data/metrics/validation.json"}
     assert all(r["match"] for r in rows), [r for r in rows if not r["match"]]
     assert any("yes" in ln for ln in lines) and git(["worktree", "list"], repo).count("\n") == 0
+    # This environment is the one the commit's constraints.txt pins; another pin is refused in one line.
+    (repo / "constraints.txt").write_text((repo / "constraints.txt").read_text().replace("mlflow==", "mlflow==0.0.1\n# was mlflow=="))
+    git(["commit", "-qam", "an environment this machine does not have"], repo)
+    with pytest.raises(EvoError, match=r"pins mlflow==0.0.1, the environment of .* has mlflow==3.17.2; reproduce without --no-setup builds"):
+        reproduce("HEAD", repo, echo=lines.append, setup=False)
+    git(["reset", "-q", "--hard", "HEAD~1"], repo)
 
 
 def test_lineage_names_stage_params_and_inputs(repo):
@@ -157,6 +164,6 @@ def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, 
     head = git(["rev-parse", "HEAD"], repo)
     c = tracking.client(repo)
     run = c.create_run(tracking.experiment_id(c, repo), tags={"git_commit": head})
-    assert find_commit(run.info.run_id, repo) == (head, f"MLflow run {run.info.run_id}")
-    with pytest.raises(EvoError, match="nor a known MLflow run id"):
-        find_commit("0" * 32, repo)
+    assert find_record(run.info.run_id, repo) == (head, f"MLflow run {run.info.run_id} (its git_commit tag: no record of it in git)")
+    with pytest.raises(EvoError, match=r"is neither a retrain's MLflow run id .* nor a git ref, nor an output hash"):
+        find_record("0" * 32, repo)

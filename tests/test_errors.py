@@ -29,7 +29,8 @@ def test_corrupt_game_file_errors_that_episode_only(games_copy, tmp_path):
     assert sum(g.error is not None for g in games) == 1
     r = evaluate(games, PolicySpec(kind="teacher"), EpisodeConfig(), [0], tmp_path / "ev", workers=2)
     s = r["summary"]["all"]
-    assert s["episodes"] == 6 and s["errored"] == 1 and s["success"] == 1.0
+    # the errored episode counts as a failure: a model whose episodes crash must not score higher
+    assert s["episodes"] == 6 and s["errored"] == 1 and s["wins"] == 5 and s["success"] == round(5 / 6, 4)
     recs = [json.loads(x) for x in (tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()]
     err = next(x for x in recs if x["error"])
     assert "corrupt game file" in err["error"] and bad.path in err["error"]

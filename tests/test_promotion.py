@@ -1,9 +1,11 @@
 """The promotion gate on a real MLflow SQLite store (migrated once per session, copied per test):
-registration, aliases, decisions with their reasons as version tags, the report, the listing."""
+game-by-game comparisons, the checks and their reasons, fail-closed reading, completing an interrupted
+decision, the reviewer's page, the listing."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,29 +15,64 @@ import pytest
 
 from evoharness import promotion, tracking
 from evoharness.errors import EvoError
-from evoharness.promotion import Thresholds, decide
+from evoharness.promotion import Evidence, Thresholds, decide
 
-T = Thresholds(min_seen=0.5, min_unseen=0.4, tolerance=0.05)
-
-
-def _summary(seen: float, unseen: float) -> dict:
-    def split(x):
-        return {"Pick": {"success": x}, "Heat": {"success": x / 2}, "all": {"success": x, "steps": 10.0, "invalid_rate": 0.1,
-                                                                         "calls": {"track": 1.0, "commit": 2.0, "recall": 1.0, "note": 1.0}}}
-    return {"valid_seen": split(seen), "valid_unseen": split(unseen)}
+ROOT = Path(__file__).resolve().parents[1]
+T = Thresholds(min_seen=0.3, min_unseen=0.2, tolerance=0.05, max_errored=0.1, alpha=0.05, must_beat=["sft-inline", "random"])
+COND = {"games": "g1", "splits": "valid_seen,valid_unseen", "seeds": "0", "max_steps": "30", "max_turns": "60", "mode": "inline",
+        "charge_meta_actions": "false", "decoding": "constrained", "sampling": "False:1.0", "max_new_tokens": "32"}
+N = 60  # games per split
 
 
-def test_decide_checks_thresholds_then_regression_against_the_champion():
-    d = decide({"valid_seen": 0.6, "valid_unseen": 0.5}, None, T)
-    assert d.promoted and [c.name for c in d.checks] == ["seen_success", "unseen_success"] and "no champion yet" in d.reasons[0]
-    d = decide({"valid_seen": 0.45, "valid_unseen": 0.5}, None, T)
-    assert not d.promoted and d.reasons == ["seen success 45.0% is below the threshold 50.0%"]
-    d = decide({"valid_seen": 0.6, "valid_unseen": 0.44}, {"valid_seen": 0.6, "valid_unseen": 0.5}, T)
-    assert not d.promoted and len(d.checks) == 4
-    assert d.reasons == ["unseen success 44.0% regresses more than 5.0% below the champion's 50.0%"]
-    # exactly at the tolerance is not a regression; exactly at a threshold passes
-    d = decide({"valid_seen": 0.5, "valid_unseen": 0.45}, {"valid_seen": 0.55, "valid_unseen": 0.5}, T)
-    assert d.promoted, d.reasons
+def ev(label: str, seen_wins: int, unseen_wins: int, errored: int = 0, cond: dict | None = None, shift: int = 0) -> Evidence:
+    """A model's evaluation on the same 60 + 60 games: the first ``wins`` games (rotated by ``shift``) won."""
+    outcomes, summary = {}, {}
+    for split, wins in (("valid_seen", seen_wins), ("valid_unseen", unseen_wins)):
+        keys = [f"{split}/game{i:02d}#s0" for i in range(N)]
+        won = {keys[(i + shift) % N] for i in range(wins)}
+        outcomes[split] = {k: int(k in won) for k in keys}
+        rate = wins / N
+        summary[split] = {"Pick": {"success": rate}, "all": {"success": rate, "episodes": N, "wins": wins}}
+    return Evidence(label, summary, outcomes, errored, dict(cond or COND))
+
+
+def refs(sft=(12, 6), rnd=(0, 0)) -> dict:
+    return {"sft-inline": ev("sft-inline", *sft), "random": ev("random", *rnd)}
+
+
+def test_the_checks_thresholds_errors_baselines_champion_and_floor():
+    d = decide(ev("c", 24, 15), None, refs(), {}, T)
+    assert d.promoted and "there is no champion yet" in d.reasons[0]
+    assert [c.name for c in d.checks] == ["seen_success", "unseen_success", "errored_episodes", "beats_sft-inline", "beats_random"]
+    d = decide(ev("c", 15, 15), None, refs(), {}, T)
+    assert not d.promoted and d.reasons == ["seen success 25.0% is below the threshold 30.0%"]
+    d = decide(ev("c", 24, 15, errored=13), None, refs(), {}, T)  # 13 of 120 errored: more than 10 %
+    assert not d.promoted and d.reasons == ["13 of 120 episodes errored (10.8%), more than the limit 10.0%"]
+    d = decide(ev("c", 24, 15), None, refs(sft=(30, 10)), {}, T)  # 39 wins against the SFT model's 40
+    assert not d.promoted and d.reasons == ["does not beat sft-inline on the same games (39 vs 40 wins of 120 games)"]
+    # Against the champion, game by game: 6 fewer wins on the same games is within noise, 12 is a regression.
+    champ = ev("champ", 30, 15)
+    assert decide(ev("c", 24, 15, shift=10), champ, refs(), {}, T).promoted  # 10 games only the champion won, 4 only the candidate
+    d = decide(ev("c", 18, 15), champ, refs(), {}, T)
+    assert not d.promoted and d.reasons[0].startswith("seen success regresses against the champion (p = 0.000 < 0.05; McNemar exact")
+    # Other games, step limits or decoding: not compared, the difference named.
+    d = decide(ev("c", 40, 30, cond={**COND, "max_steps": "50"}), champ, refs(), {}, T)
+    assert not d.promoted and "champion evaluated under other conditions: max_steps 30 (champion) vs 50" in d.reasons[0]
+    # The floor: never below the best champion so far minus the tolerance.
+    d = decide(ev("c", 24, 15, shift=10), champ, refs(), {"valid_seen": 0.6, "valid_unseen": 0.25}, T)
+    assert not d.promoted and d.reasons == ["seen success 40.0% is below the floor 55.0% (best champion so far 60.0% minus 5.0%)"]
+
+
+def test_missing_or_nan_metrics_stop_the_gate():
+    bad = ev("c", 24, 15)
+    bad.summary["valid_unseen"]["all"]["success"] = math.nan
+    with pytest.raises(EvoError, match=r"c's valid_unseen success is nan, not a rate"):
+        decide(bad, None, refs(), {}, T)
+    del bad.summary["valid_unseen"]["all"]
+    with pytest.raises(EvoError, match=r"c has no valid_unseen success in its evaluation"):
+        decide(bad, None, refs(), {}, T)
+    with pytest.raises(EvoError, match=r"no evaluation of 'random' to compare the candidate with"):
+        decide(ev("c", 24, 15), None, {"sft-inline": ev("s", 1, 1)}, {}, T)
 
 
 def _model(tmp_path: Path, i: int) -> Path:
@@ -51,56 +88,112 @@ CURVE = [{"update": u, "success": 0.1 * u, "diversity_weight": 1 - 0.1 * u, "inv
           "calls_per_episode": {"track": 3 - u, "commit": 2.5, "recall": 1, "note": 2 - 0.5 * u}} for u in range(4)]
 
 
-def test_gate_registers_promotes_and_never_moves_the_champion_on_a_rejection(mlflow_store, tmp_path):
+class Faulty:
+    """The real client, with one named call failing once: an MLflow outage at that moment."""
+
+    def __init__(self, c, fail: str, exc: Exception):
+        self._c, self._fail, self._exc = c, fail, exc
+
+    def __getattr__(self, name):
+        attr = getattr(self._c, name)
+        if name == self._fail:
+            def boom(*a, **k):
+                self._fail = None
+                raise self._exc
+            return boom
+        return attr
+
+
+@pytest.fixture()
+def store(mlflow_store, tmp_path):
     c = tracking.client(tmp_path)
     exp = tracking.experiment_id(c, tmp_path)
     name = "agent-test"
 
-    def candidate(i, seen, unseen, md5=None):
+    def candidate(i, cand, client=None, md5=None, t=T, r=None):
         run = c.create_run(exp, run_name=f"promote-{i}")
-        return run.info.run_id, promotion.gate(c, name, run.info.run_id, _model(tmp_path, i) if md5 is None else tmp_path / f"model{md5}",
-                                               f"md5-{md5 or i}", _summary(seen, unseen), T, CURVE, tmp_path / f"report{i}")
+        return promotion.gate(client or c, name, run.info.run_id, _model(tmp_path, i) if md5 is None else tmp_path / f"model{md5}",
+                              f"md5-{md5 or i}", cand, r or refs(), t, CURVE, tmp_path / f"report{i}")
 
     def champion():
         return str(c.get_model_version_by_alias(name, "champion").version)
 
-    _, d1 = candidate(1, 0.6, 0.5)
-    assert d1.promoted and d1.version == "1" and champion() == "1"
+    return c, name, candidate, champion
 
-    r2, d2 = candidate(2, 0.3, 0.5)  # misses the seen threshold
+
+def test_gate_registers_promotes_and_never_moves_the_champion_on_a_rejection(store, tmp_path):
+    c, name, candidate, champion = store
+    d1 = candidate(1, ev("grpo-inline", 24, 15))
+    assert d1.promoted and d1.version == "1" and champion() == "1"
+    d2 = candidate(2, ev("grpo-inline", 12, 15))  # misses the seen threshold
     assert not d2.promoted and champion() == "1" and str(c.get_model_version_by_alias(name, "challenger").version) == "2"
     tags = c.get_model_version(name, "2").tags
-    assert tags["decision"] == "rejected" and "seen success 30.0% is below the threshold 50.0%" in tags["decision.reasons"]
+    assert tags["decision"] == "rejected" and tags["decision.state"] == "complete" and "seen success 20.0% is below the threshold 30.0%" in tags["decision.reasons"]
     assert tags["check.seen_success"].endswith("FAIL") and tags["check.unseen_success"].endswith("pass")
-    assert tags["decision.champion_before"] == "1" and tags["dvc_md5"] == "md5-2"
-
-    _, d3 = candidate(3, 0.62, 0.42)  # above both thresholds, but unseen regresses past the tolerance
-    assert not d3.promoted and champion() == "1"
-    assert "regresses" in c.get_model_version(name, "3").tags["decision.reasons"]
-
-    _, d4 = candidate(4, 0.7, 0.55)
-    assert d4.promoted and champion() == "4"
-
-    _, again = candidate(5, 0.1, 0.1, md5=4)  # the same model (same DVC hash) again: nothing new is decided
-    assert again.reused and again.version == "4" and again.promoted
-    assert len(c.search_model_versions(f"name='{name}'")) == 4 and champion() == "4"
-
-    md = (tmp_path / "report2" / "promotion.md").read_text()
-    assert "REJECTED" in md and "| valid_seen | champion |" in md and "![annealing](annealing.png)" in md
-    assert (tmp_path / "report2" / "annealing.png").read_bytes()[:4] == b"\x89PNG"
-    logged = {a.path for a in c.list_artifacts(r2, "promotion")}
-    assert {"promotion/promotion.md", "promotion/annealing.png", "promotion/decision.json"} <= logged
-    assert {a.path for a in c.list_artifacts(r2, "model")} >= {"model/config.json", "model/model.safetensors"}
-
+    assert tags["decision.champion_before"] == "1" and tags["dvc_md5"] == "md5-2" and tags["cond.max_steps"] == "30" and tags["cond.decoding"] == "constrained"
+    d3 = candidate(3, ev("grpo-inline", 30, 16))
+    assert d3.promoted and champion() == "3"
+    again = candidate(4, ev("grpo-inline", 0, 0), md5=3)  # the same model (same DVC hash) again: nothing new is decided
+    assert again.reused and again.version == "3" and again.promoted
+    assert len(c.search_model_versions(f"name='{name}'")) == 3 and champion() == "3"
+    # The reviewer's page is the version's description: decision, checks with values and thresholds, the table, the plot.
+    desc = c.get_model_version(name, "2").description
+    assert "REJECTED" in desc and "| seen_success | 0.200 | >= 0.300 | **FAIL** |" in desc and "| valid_seen | champion |" in desc
+    assert "![annealing](get-artifact?path=promotion%2Fannealing.png&run_uuid=" in desc and "Evaluation conditions:" in desc
+    run2 = c.get_model_version(name, "2").run_id
+    logged = {a.path for a in c.list_artifacts(run2, "promotion")}
+    assert {"promotion/promotion.md", "promotion/annealing.png", "promotion/decision.json", "promotion/evidence.json"} <= logged
     rows = promotion.promotions(c, "agent-")
-    assert [r["version"] for r in rows] == [4, 3, 2, 1]
-    assert rows[0]["aliases"] == "challenger,champion" and rows[1]["aliases"] == "" and rows[3]["decision"] == "promoted"
-
+    assert [r["version"] for r in rows] == [3, 2, 1] and rows[0]["aliases"] == "challenger,champion"
     out = subprocess.run([sys.executable, "-m", "evoharness.cli", "promotions", "--model", "agent-"], cwd=tmp_path,
                          capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert "rejected" in lines[2] and "regresses" in lines[2] and "champion" in lines[1]
+    assert "rejected" in out.stdout.splitlines()[2] and "champion" in out.stdout.splitlines()[1]
+
+
+def test_a_hand_made_zero_percent_candidate_never_replaces_a_champion(store):
+    """The tiny profile's own thresholds: a 0 % model fails them, and the baselines, whatever the champion."""
+    c, name, candidate, champion = store
+    _, tiny = promotion.load_promotion(ROOT / "params.yaml", "tiny-cpu")
+    assert candidate(1, ev("grpo-inline", 3, 1), t=tiny.model_copy(update={"min_seen": 0.05, "min_unseen": 0.0}),
+                     r={"sft-inline": ev("s", 1, 0), "base-inline": ev("b", 0, 0), "random": ev("r", 0, 0)}).promoted  # 5.0 / 1.7
+    assert champion() == "1"
+    zero = candidate(2, ev("grpo-inline", 0, 0), t=tiny, r={"sft-inline": ev("s", 1, 0), "base-inline": ev("b", 0, 0), "random": ev("r", 0, 0)})
+    assert not zero.promoted and champion() == "1"
+    assert any("below the threshold" in r for r in zero.reasons) and any("does not beat random" in r for r in zero.reasons)
+    assert tiny.min_seen > 0 and tiny.min_unseen > 0 and "random" in tiny.must_beat
+
+
+def test_the_gate_fails_closed_and_leaves_the_champion_where_it_was(store):
+    from mlflow.exceptions import MlflowException
+
+    c, name, candidate, champion = store
+    assert candidate(1, ev("grpo-inline", 24, 15)).promoted
+    # An MLflow error while reading the champion is not "no champion".
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR
+
+    broken = Faulty(c, "get_model_version_by_alias", MlflowException("database is locked", error_code=INTERNAL_ERROR))
+    with pytest.raises(EvoError, match=r"cannot read agent-test's champion from MLflow \(MlflowException: database is locked\); nothing moved"):
+        candidate(2, ev("grpo-inline", 40, 40), client=broken)
+    assert champion() == "1" and len(c.search_model_versions(f"name='{name}'")) == 1
+    # A champion without its evaluation tags cannot be compared with: stop, do not read it as "none".
+    for k in [k for k in c.get_model_version(name, "1").tags if k.startswith(("eval.", "cond."))]:
+        c.delete_model_version_tag(name, "1", k)
+    with pytest.raises(EvoError, match=r"champion agent-test version 1 has no evaluation tags .*nothing moved"):
+        candidate(3, ev("grpo-inline", 40, 40))
+    assert champion() == "1"
+
+
+def test_a_retried_gate_completes_the_decision_it_left_pending(store):
+    c, name, candidate, champion = store
+    broken = Faulty(c, "set_registered_model_alias", ConnectionError("the tracking server went away"))
+    with pytest.raises(ConnectionError):
+        candidate(1, ev("grpo-inline", 24, 15), client=broken)  # registered and tagged, no alias moved yet
+    mv = c.search_model_versions(f"name='{name}'")[0]
+    assert mv.tags["decision.state"] == "pending" and mv.tags["decision"] == "promoted"
+    d = candidate(2, ev("grpo-inline", 24, 15), md5=1)  # the task's retry: same model, same hash
+    assert not d.reused and d.promoted and d.version == "1" and champion() == "1"
+    assert c.get_model_version(name, "1").tags["decision.state"] == "complete" and len(c.search_model_versions(f"name='{name}'")) == 1
 
 
 def test_params_promotion_section_is_validated(tmp_path):
@@ -111,7 +204,7 @@ def test_params_promotion_section_is_validated(tmp_path):
     p.write_text("promotion:\n  thresholds:\n    other: {min_seen: 0.5, min_unseen: 0.4}\n")
     with pytest.raises(EvoError, match="no entry for profile 'tiny-cpu'"):
         promotion.load_promotion(p, "tiny-cpu")
-    pp, t = promotion.load_promotion(Path(__file__).resolve().parents[1] / "params.yaml", "tiny-cpu")
+    pp, t = promotion.load_promotion(ROOT / "params.yaml", "tiny-cpu")
     assert pp.model_name and t.tolerance >= 0
 
 

@@ -53,7 +53,9 @@ class ChatPolicy:
 
     def fingerprint(self) -> str:
         e = self.endpoint
-        return f"chat:v1:{e.base_url}:{e.model}:{e.temperature}:{e.max_tokens}"
+        from evoharness.secrets import redact
+
+        return f"chat:v1:{redact(e.base_url)}:{e.model}:{e.temperature}:{e.max_tokens}"
 
     def reset(self, seed: int) -> None:
         pass

@@ -1,0 +1,263 @@
+"""Every retrain leaves a git record of exactly what it ran, and any record can be reproduced on any
+machine from its hashes.
+
+The record is a commit on top of the code commit the retrain started from, holding that run's
+``dvc.lock``, ``params.yaml``, the metrics and plots DVC does not cache, and any tracked file that was
+modified: made with a private index, so the user's branch and working tree stay as they are. Its tag
+``retrain/<MLflow run id>`` is pushed to origin when origin is a network one, and the run's data is on
+the DVC remote (the retrain pushed it). The MLflow run names the tag (``git_ref``).
+
+``reproduce`` restores a record in a scratch worktree, checks that this environment is the one the
+record's ``constraints.txt`` pins (or builds that environment, or refuses in one line), pulls every
+recorded output from the remote, and re-runs each stage on the recorded inputs, comparing what it
+makes with what was recorded, output by output: a stage that does not reproduce is named as itself,
+not through the stages after it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from evoharness.errors import EvoError
+from evoharness.lineage import dvc, git, is_network_url, lock_outs, parse_lock, redact, repo_root
+
+RECORD_PREFIX = "retrain/"
+# Metrics a stage may report differently on a rerun when its output is not bitwise identical
+# (README, "Reproduce"): success rates and the like agree within this absolute tolerance.
+METRIC_TOLERANCE = 0.05
+
+
+def record_ref(run_id: str) -> str:
+    return f"{RECORD_PREFIX}{run_id}"
+
+
+def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=print) -> tuple[str, str]:
+    """Commit what this retrain ran (see the module's docstring) and tag it ``retrain/<run_id>``;
+    push the tag to a network origin. Returns (tag, commit)."""
+    import yaml
+
+    root = Path(root)
+    index = Path(tempfile.mkdtemp(prefix="evoharness-record-")) / "index"
+    env = dict(os.environ, GIT_INDEX_FILE=str(index))
+
+    def g(*args: str) -> str:
+        r = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise EvoError(f"recording the run in git: git {' '.join(args[:2])} failed in {root}: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        return r.stdout.strip()
+
+    try:
+        head = g("rev-parse", "HEAD")
+        g("read-tree", "HEAD")
+        g("add", "-u")  # tracked files as they were when the stages ran
+        stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+        paths = ["dvc.lock", "dvc.yaml", "params.yaml"]
+        for st in stages.values():
+            for kind in ("outs", "metrics", "plots"):
+                for o in st.get(kind) or []:
+                    if isinstance(o, dict):
+                        path, opts = next(iter(o.items()))
+                        if opts and opts.get("cache") is False:
+                            paths.append(path)
+            for d in st.get("deps") or []:
+                d = d if isinstance(d, str) else next(iter(d))
+                if not d.startswith("data/"):
+                    paths.append(d)  # code a stage ran, even if not yet committed
+        g("add", "--", *[p for p in dict.fromkeys(paths) if (root / p).exists()])
+        tree = g("write-tree")
+        commit = g("commit-tree", tree, "-p", head, "-m", message)
+    finally:
+        shutil.rmtree(index.parent, ignore_errors=True)
+    tag = record_ref(run_id)
+    git(["tag", "-f", tag, commit], root)
+    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
+    if push and origin and is_network_url(origin):
+        for attempt in range(3):
+            r = subprocess.run(["git", "push", "-q", "-f", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+            time.sleep(2 * (attempt + 1))
+        else:
+            raise EvoError(f"could not push the run's record {tag} to {redact(origin)} ({redact(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')}); "
+                           f"push it with `git push origin refs/tags/{tag}`")
+        echo(f"recorded the run as {tag} ({commit[:12]}) and pushed it to {redact(origin)}")
+    else:
+        echo(f"recorded the run as {tag} ({commit[:12]}) in {root} (no network origin to push it to)")
+    return tag, commit
+
+
+def _fetch_records(root: Path) -> None:
+    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
+    if origin:
+        git(["fetch", "-q", "origin", f"+refs/tags/{RECORD_PREFIX}*:refs/tags/{RECORD_PREFIX}*"], root, check=False)
+
+
+def find_record(ref: str, root: Path) -> tuple[str, str]:
+    """(commit, how it was found) for an MLflow run id (its ``retrain/<id>`` record, here or on
+    origin, else the commit its MLflow run names), a ref or commit, or a DVC output hash in any
+    recorded or committed dvc.lock."""
+    root = Path(root)
+
+    def rev(name: str) -> str | None:
+        r = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    name = ref.strip()
+    for attempt in range(2):
+        c = rev(f"refs/tags/{record_ref(name)}") or (rev(f"refs/tags/{name}") if name.startswith(RECORD_PREFIX) else None)
+        if c:
+            return c, f"the record of MLflow run {name.removeprefix(RECORD_PREFIX)} ({record_ref(name.removeprefix(RECORD_PREFIX))})"
+        h = name.lower().removesuffix(".dir")
+        if len(h) >= 6 and all(ch in "0123456789abcdef" for ch in h):
+            for commit in git(["log", "--all", "--format=%H", "--", "dvc.lock"], root, check=False).split():
+                text = subprocess.run(["git", "show", f"{commit}:dvc.lock"], cwd=root, capture_output=True, text=True).stdout
+                for o in lock_outs(parse_lock(text)):
+                    if o.kind == "out" and o.md5.removesuffix(".dir").startswith(h):
+                        return commit, f"{o.path} (stage {o.stage}) has md5 {o.md5}"
+        c = rev(name)
+        if c:
+            return c, "git ref"
+        if attempt == 0:
+            _fetch_records(root)  # another machine's retrain: its record is on origin
+    from evoharness.lineage import _mlflow_commit
+
+    run_commit = _mlflow_commit(name, root)
+    if run_commit:
+        return run_commit, f"MLflow run {name} (its git_commit tag: no record of it in git)"
+    raise EvoError(f"{ref!r} is neither a retrain's MLflow run id (no tag {record_ref(name)} here or on origin), nor a git ref, "
+                   "nor an output hash in any recorded dvc.lock")
+
+
+def _pins(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line and not line.startswith("-"):
+            name, ver = line.split("==", 1)
+            out[name.strip().lower().replace("_", "-")] = ver.strip()
+    return out
+
+
+def environment_mismatch(commit: str, root: Path, python: str = sys.executable) -> str | None:
+    """The first package whose installed version (in ``python``'s environment) differs from what the
+    commit's ``constraints.txt`` pins, as one line; None when they all match."""
+    r = subprocess.run(["git", "show", f"{commit}:constraints.txt"], cwd=root, capture_output=True, text=True)
+    if r.returncode:
+        return f"commit {commit[:12]} has no constraints.txt, so its environment is not known"
+    pins = _pins(r.stdout)
+    code = ("import importlib.metadata as m, json\nout = {}\nfor d in m.distributions():\n"
+            "    out[d.metadata['Name'].lower().replace('_', '-')] = d.version\nprint(json.dumps(out))")
+    have = json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+    for name, want in sorted(pins.items()):
+        got = have.get(name)
+        if got is None or got.split("+")[0] != want.split("+")[0]:
+            return f"commit {commit[:12]} pins {name}=={want}, the environment of {python} has {name}=={got or 'nothing'}"
+    return None
+
+
+def _build_env(work: Path, echo) -> str:
+    """The record's own environment, built by its own scripts/setup.sh in the scratch worktree."""
+    echo(f"building the record's environment with its scripts/setup.sh in {work} (minutes)")
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=work, capture_output=True, text=True)
+    if r.returncode:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise EvoError(f"cannot build the record's environment (scripts/setup.sh in {work} failed: {tail[0][:300]})")
+    return str(work / ".venv" / "bin" / "python")
+
+
+def _numbers(path: Path) -> dict[str, float]:
+    from evoharness.tracking import flatten
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in flatten(data).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool = True) -> list[dict]:
+    """Reproduce a record here (see the module's docstring). One row per recorded output: stage, path,
+    recorded and reproduced md5, and whether they match (or, for a metrics file that is not identical,
+    the largest difference among its numbers)."""
+    import yaml
+
+    root = repo_root(root)
+    t0 = time.time()
+    commit, how = find_record(ref, root)
+    echo(f"reproducing {commit[:12]}: {how}")
+    python = sys.executable
+    work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
+    git(["worktree", "add", "--detach", str(work), commit], root)
+    try:
+        why = environment_mismatch(commit, root, python)
+        if why:
+            if not setup:
+                raise EvoError(f"{why}; reproduce without --no-setup builds that environment, or run it from a checkout set up at {commit[:12]}")
+            python = _build_env(work, echo)
+            still = environment_mismatch(commit, root, python)
+            if still:
+                raise EvoError(f"the environment built for {commit[:12]} still differs: {still}")
+        src = root / ".dvc" / "config.local"  # this machine's own credentials for the remote
+        if src.exists():
+            shutil.copy(src, work / ".dvc" / "config.local")
+        lock = work / "dvc.lock"
+        if not lock.exists():
+            raise EvoError(f"commit {commit[:12]} has no dvc.lock to reproduce")
+        recorded_text = lock.read_text()
+        recorded = parse_lock(recorded_text)
+        order = [s for s in (yaml.safe_load((work / "dvc.yaml").read_text()) or {}).get("stages", {}) if s in recorded]
+        try:
+            dvc(["pull", *order], work, python)
+        except EvoError as e:
+            raise EvoError(f"cannot pull the data {commit[:12]} recorded: {e}") from None
+        echo(f"pulled every recorded output of {len(order)} stages")
+        rows = []
+        for stage in order:
+            t = time.time()
+            lock.write_text(recorded_text)  # the recorded inputs, whatever earlier stages reproduced
+            dvc(["checkout", "--force", *order], work, python)
+            dvc(["repro", "--single-item", "--force", stage], work, python)
+            got = {o["path"]: o.get("md5") for o in (parse_lock(lock.read_text()).get(stage, {}).get("outs") or [])}
+            for o in recorded[stage].get("outs") or []:
+                row = {"stage": stage, "path": o["path"], "expected": o.get("md5"), "got": got.get(o["path"]), "seconds": round(time.time() - t, 1)}
+                row["match"] = row["expected"] == row["got"]
+                if not row["match"] and o["path"].endswith(".json") and (work / o["path"]).is_file():
+                    old = _numbers_at(work, commit, o["path"])
+                    new = _numbers(work / o["path"])
+                    keys = old.keys() & new.keys()
+                    diffs = [abs(old[k] - new[k]) for k in keys if math.isfinite(old[k]) and math.isfinite(new[k])]
+                    row["metric_diff"] = round(max(diffs), 4) if diffs else None
+                rows.append(row)
+        lock.write_text(recorded_text)
+        w = max(len(r["path"]) for r in rows) if rows else 10
+        echo(f"{'stage':<13} {'output':<{w}} {'recorded':<36} {'reproduced':<36} match")
+        for r in rows:
+            verdict = "yes" if r["match"] else (f"no (metrics within {r['metric_diff']})" if r.get("metric_diff") is not None else "NO")
+            echo(f"{r['stage']:<13} {r['path']:<{w}} {str(r['expected']):<36} {str(r['got']):<36} {verdict}")
+        echo(f"reproduced {sum(r['match'] for r in rows)} of {len(rows)} outputs identically in {time.time() - t0:.0f} s")
+        return rows
+    finally:
+        if not keep:
+            git(["worktree", "remove", "--force", str(work)], root, check=False)
+            shutil.rmtree(work.parent, ignore_errors=True)
+
+
+def _numbers_at(work: Path, commit: str, path: str) -> dict[str, float]:
+    """A recorded metrics file's numbers (from the record's commit: metrics are not in DVC's cache)."""
+    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=work, capture_output=True, text=True)
+    if r.returncode:
+        return {}
+    tmp = Path(tempfile.mkdtemp()) / "m.json"
+    tmp.write_text(r.stdout)
+    try:
+        return _numbers(tmp)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)

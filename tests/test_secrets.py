@@ -1,0 +1,64 @@
+"""Credentials in a URL (a DVC remote, the git origin, an endpoint) never reach a fingerprint, a Prefect
+parameter, a log line or an MLflow tag: each boundary is tried with a real credential-bearing URL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evoharness.errors import EvoError
+from evoharness.lineage import dvc, git
+from evoharness.secrets import redact
+from project import MICRO, make_project
+
+SECRET = "s3cr3t-t0ken"
+
+
+def test_redact():
+    assert redact(f"https://evo:{SECRET}@git.example.com/x.git") == "https://git.example.com/x.git"
+    assert redact(f"webdav://u:{SECRET}@127.0.0.1:8080/store and s3://b/k?token={SECRET}&x=1") == "webdav://127.0.0.1:8080/store and s3://b/k?token=***&x=1"
+    assert SECRET not in str(EvoError(f"remote https://u:{SECRET}@h/p is down"))  # no error line ever carries one
+
+
+def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_server):
+    """The origin as teams often write it (a token in the URL): the Prefect parameter sent to the pool
+    names the repository without it, and every refusal on the way is a line without it."""
+    from evoharness import stagerun
+
+    repo = make_project(tmp_path, MICRO)
+    url = git_server.bare("secret-origin")
+    fake = f"https://evo:{SECRET}@git.example.com/evoharness.git"
+    git(["config", f"url.{url}.insteadOf", fake], repo)  # git reaches the fake host through the daemon
+    git(["remote", "add", "origin", fake], repo)
+    with pytest.raises(EvoError) as e:
+        stagerun.job_spec(repo, "sft_inline", "--pool h200")  # not pushed yet
+    assert SECRET not in str(e.value) and "https://git.example.com/evoharness.git" in str(e.value)
+    git(["push", "-q", "origin", "main"], repo)
+    dvc(["remote", "add", "-d", "storage", f"webdav://evo:{SECRET}@127.0.0.1:9/store"], repo)
+    git(["commit", "-qam", "remote"], repo)
+    git(["push", "-q", "origin", "main"], repo)
+    spec = stagerun.job_spec(repo, "sft_inline", "--pool h200")
+    assert spec["repo"] == "https://git.example.com/evoharness.git" and SECRET not in json.dumps(spec)
+    # The remote itself unreachable: the line names it, not its password.
+    from evoharness.lineage import check_remote
+
+    (repo / ".dvc" / "config.local").unlink()  # the local default of make_project
+    with pytest.raises(EvoError) as e:
+        check_remote(repo)
+    assert "webdav://127.0.0.1:9/store" in str(e.value) and SECRET not in str(e.value)
+
+
+def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store, tmp_path):
+    from evoharness import tracking
+    from evoharness.policies.chat import ChatPolicy
+
+    c = tracking.client(tmp_path)
+    run = c.create_run(tracking.experiment_id(c, tmp_path))
+    tracking.log_params(c, run.info.run_id, {"remote": {"url": f"webdav://evo:{SECRET}@dav.example.com/store"}, "api_token": SECRET})
+    tracking.set_tags(c, run.info.run_id, {"origin": f"https://evo:{SECRET}@git.example.com/x.git"})
+    got = c.get_run(run.info.run_id).data
+    assert SECRET not in json.dumps(got.params) and SECRET not in json.dumps(got.tags)
+    assert got.params["remote.url"] == "webdav://dav.example.com/store" and got.tags["origin"] == "https://git.example.com/x.git"
+    pol = ChatPolicy(f"https://evo:{SECRET}@llm.example.com/v1", "m", "NO_SUCH_KEY_VAR")
+    assert SECRET not in pol.fingerprint() and "https://llm.example.com/v1" in pol.fingerprint()
