@@ -1,4 +1,6 @@
-"""The ``evoharness`` command line. Every failure is one line: ``error: <what and where>``."""
+"""The library's command line (``python -m evoharness.cli``: the DVC stages' commands). Every
+failure is one line: ``error: <what and where>``. The commands that start Prefect flows (``run``,
+``deploy``) live above the library, in ``flows.cli``, which is what the ``evoharness`` command runs."""
 
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ def collect(
     out: Path = typer.Option(Path("data/demos")),
     n: Optional[int] = typer.Option(None, help="number of demos (params demos.n)"),
     noise: Optional[float] = typer.Option(None, help="teacher noise (params demos.noise)"),
+    mode: Optional[str] = typer.Option(None, help="the harness the teacher acts through (params episode.harness.mode): inline | always_on | env_only"),
     metrics: Optional[Path] = typer.Option(None, help="also write success and calls per family here (DVC metrics)"),
     params: str = PARAMS,
 ):
@@ -138,7 +141,7 @@ def collect(
     nd = p.demos.n if n is None else n
     spec = PolicySpec(kind="teacher", noise=p.demos.noise if noise is None else noise)
     bar = _bar(nd, "demos")
-    s = run_collect(list_games(games_root, "train"), spec, p.episode, nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
+    s = run_collect(list_games(games_root, "train"), spec, _episode_cfg(p, mode), nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
     bar.close()
     if metrics:
         _write_json(metrics, {"demos": s["demos"], "won": s["won"], "errored": s["errored"], "bank_entries": s["bank_entries"],
@@ -252,17 +255,22 @@ def lineage(target: str = typer.Argument(..., help="an output path (data/pairs) 
 
 @app.command()
 def reproduce(
-    ref: str = typer.Argument(..., help="a DVC output hash, a git commit, or an MLflow run id"),
+    ref: str = typer.Argument(..., help="a retrain's MLflow run id (its git record retrain/<id>), a git ref or commit, or a DVC output hash"),
     keep: bool = typer.Option(False, help="keep the scratch worktree"),
+    setup: bool = typer.Option(True, "--setup/--no-setup", help="build the record's environment when this one differs from its "
+                               "constraints.txt (else refuse)"),
 ):
-    """Re-make a past run from its hashes and say, stage by stage, whether every output matches."""
-    from evoharness.lineage import reproduce as run_reproduce
+    """Re-run every stage of a recorded run on its recorded inputs and compare every output's hash."""
+    from evoharness.reproduce import METRIC_TOLERANCE
+    from evoharness.reproduce import reproduce as run_reproduce
 
-    rows = run_reproduce(ref, Path.cwd(), echo=typer.echo, keep=keep)
-    bad = [r for r in rows if not r["match"]]
+    rows = run_reproduce(ref, Path.cwd(), echo=typer.echo, keep=keep, setup=setup)
+    bad = [r for r in rows if not r["match"] and (r.get("metric_diff") is None or r["metric_diff"] > METRIC_TOLERANCE)]
     if bad:
-        raise EvoError(f"{len(bad)} of {len(rows)} outputs differ: " + ", ".join(f"{r['stage']}:{r['path']}" for r in bad))
-    typer.echo(f"all {len(rows)} outputs reproduced with identical hashes")
+        raise EvoError(f"{len(bad)} of {len(rows)} outputs did not reproduce: " + ", ".join(f"{r['stage']}:{r['path']}" for r in bad))
+    same = sum(r["match"] for r in rows)
+    typer.echo(f"{same} of {len(rows)} outputs reproduced with identical hashes" + ("" if same == len(rows) else
+               f"; the other metrics agree within {METRIC_TOLERANCE}"))
 
 
 @app.command()
@@ -282,7 +290,9 @@ def remote(url: Optional[str] = typer.Option(None, help="set the default remote'
 
     root = repo_root()
     name = ensure_remote(root, url)
-    typer.echo(f"default remote: {name} -> {dvc(['remote', 'list'], root).strip()}")
+    from evoharness.secrets import redact
+
+    typer.echo(f"default remote: {name} -> {redact(dvc(['remote', 'list'], root).strip())}")
 
 
 def _profile(params: str, name: Optional[str]):
@@ -399,12 +409,16 @@ def grpo(
     timing: Optional[Path] = typer.Option(None),
     profile: Optional[str] = typer.Option(None),
     steps: Optional[int] = typer.Option(None),
+    mode: str = typer.Option("inline", help="the harness the rollouts act through: inline | env_only (plain GRPO)"),
+    without: str = typer.Option("", help="harness modules switched off, comma-separated: belief, progress, experience (ablations)"),
+    reward: str = typer.Option("cost-aware", help="cost-aware (the paper's composite reward) | success (10 for a win, nothing else)"),
     params: str = PARAMS,
 ):
     """Cost-aware GRPO with TRL GRPOTrainer: groups of rollouts of one game on the real engine."""
     import sys as _sys
 
     from evoharness.config import load_params
+    from evoharness.harness.workspace import HarnessConfig
 
     prof = _profile(params, profile)
     if _relaunch(prof, _sys.argv[1:], {"grpo: SFT model": sft_dir}):
@@ -412,8 +426,16 @@ def grpo(
     from evoharness.training.grpo import train_grpo
 
     p = load_params(params)
-    r = train_grpo(games_root, sft_dir, bank, out, prof, p.episode.reward.model_copy(update={"updates": steps or prof.grpo.steps}), p.seed, p.workers, steps,
-                   checkpoints, curve, timing)
+    off = [w.strip() for w in without.split(",") if w.strip()]
+    bad = [w for w in off if w not in ("belief", "progress", "experience")]
+    if bad or mode not in ("inline", "env_only") or reward not in ("cost-aware", "success"):
+        raise EvoError(f"grpo: --mode {mode!r}, --without {without!r}, --reward {reward!r}: expected inline|env_only, belief/progress/experience, cost-aware|success")
+    harness = HarnessConfig(mode=mode, **{w: False for w in off})
+    rc = p.episode.reward.model_copy(update={"updates": steps or prof.grpo.steps})
+    if reward == "success":
+        rc = rc.model_copy(update={"eff": 0.0, "div_max": 0.0, "spam": 0.0, "inv": 0.0})
+    r = train_grpo(games_root, sft_dir, bank if mode != "env_only" else None, out, prof, rc, p.seed, p.workers, steps, checkpoints, curve, timing,
+                   harness=harness)
     _finish_process(metrics, r)
     last = r["last"] or {}
     _main_echo(f"grpo: {r['steps']} updates, {r['episodes']} episodes; last step success {last.get('success')} calls {last.get('calls_per_episode')}")
@@ -437,46 +459,39 @@ def compare(
         _write_json(metrics, res)
 
 
+@app.command("ablation-table")
+def ablation_table(
+    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    main_eval: Path = typer.Option(Path("data/eval"), help="the main job's evaluations (ReAct-SFT, SFT-inline, cost-aware GRPO)"),
+    bank: Path = typer.Option(Path("data/demos/experience.json")),
+    out: Path = typer.Option(Path("data/ablation/eval")),
+    metrics: Optional[Path] = typer.Option(None),
+    profile: Optional[str] = typer.Option(None),
+    params: str = PARAMS,
+):
+    """The paper's ablation table: evaluate the ablation models beside the main job's, on the same games."""
+    from evoharness.ablation import ablation as run_ablation
+
+    res = run_ablation(params, _profile(params, profile), games_root, main_eval, bank, out, echo=typer.echo)
+    if metrics:
+        _write_json(metrics, res)
+
+
+@app.command()
+def ablation():
+    """Run the ablation stages (ablation/dvc.yaml; they read the main job's outputs, so run it first)."""
+    from evoharness.lineage import dvc, repo_root
+
+    root = repo_root()
+    if not (root / "ablation" / "dvc.yaml").exists():
+        raise EvoError(f"{root / 'ablation' / 'dvc.yaml'} does not exist")
+    typer.echo(dvc(["repro", "ablation/dvc.yaml"], root).strip().splitlines()[-1])
+    typer.echo((root / "data" / "ablation" / "eval" / "table.md").read_text())
+
+
 def _write_json(path: Path, data) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-@app.command()
-def run(
-    params: str = PARAMS,
-    pool: Optional[str] = typer.Option(None, help="work pool for SFT and GRPO (its train-stage deployment); default: in-process"),
-    repo_url: Optional[str] = typer.Option(None, help="where pool workers clone the repo (default: origin, else this folder)"),
-):
-    """The main job: the `retrain` Prefect flow end to end (data, GX gate, SFT, GRPO, evaluation,
-    promotion), tracked in MLflow; DVC reuses every stage whose inputs did not change."""
-    import os
-
-    # Ephemeral mode starts a local server (migrating a fresh database first): on 2 busy cores that
-    # can take longer than Prefect's 20 s default. Set before Prefect reads its settings.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no internet here; its failures are noise
-    from evoharness.lineage import repo_root
-    from evoharness.pipeline import print_results
-    from flows.common import check_prefect
-
-    root = repo_root(Path.cwd())
-    api = check_prefect()
-    home = os.environ.get("PREFECT_HOME", "~/.prefect")
-    typer.echo(f"Prefect: {api or f'ephemeral mode (a local server for this run, database in {home})'}")
-    from flows.retrain import retrain
-
-    res = retrain(root=str(root), params=params, pool=pool, repo_url=repo_url)
-    print_results(root, res, api, echo=typer.echo)
-
-
-@app.command()
-def deploy():
-    """Register prefect.yaml's deployments: work pools, the DVC concurrency limit, retrain's cron."""
-    from evoharness.lineage import repo_root
-    from flows.deploy import deploy as run_deploy
-
-    run_deploy(repo_root(Path.cwd()), echo=typer.echo)
 
 
 @app.command()

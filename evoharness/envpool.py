@@ -9,10 +9,10 @@ reported as errored, never dropped.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, TypeVar
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Iterable, TypeVar
 
 from evoharness.alfworld.engine import EnvStep
 from evoharness.errors import EnvWorkerError, EvoError
@@ -83,9 +83,16 @@ class EnvWorker:
 
     def _call(self, cmd: str, args: tuple, timeout: float, what: str):
         if self.proc is None or not self.proc.is_alive():
-            if self.proc is not None:
+            died = self.proc is not None
+            code = self.proc.exitcode if died else None
+            pid = self.proc.pid if died else None
+            if died:
                 self.restarts += 1
+            loaded = self.game
             self._start()
+            if died and cmd != "reset":  # the engine died between calls: its game is gone with it
+                self.game = None
+                raise EnvWorkerError(f"environment worker {pid} died (exit code {code}) before {what} (game {loaded}); replaced")
         pid = self.proc.pid
         try:
             self.conn.send((cmd, args))
@@ -130,9 +137,6 @@ class EnvPool:
         if n_workers < 1:
             raise EvoError(f"n_workers must be at least 1, got {n_workers}")
         self.workers = [EnvWorker(step_timeout, reset_timeout, expert, speedups) for _ in range(n_workers)]
-        self._free: queue.Queue[EnvWorker] = queue.Queue()
-        for w in self.workers:
-            self._free.put(w)
 
     def __enter__(self) -> "EnvPool":
         return self
@@ -140,25 +144,34 @@ class EnvPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def map(self, fn: Callable[[EnvWorker, T], R], jobs: Iterable[T], on_result: Callable[[T, R], None] | None = None) -> list[R]:
+    def map(self, fn: Callable[[EnvWorker, T], R], jobs: Iterable[T], on_result: Callable[[T, R], None] | None = None,
+            around: Callable[[int], ContextManager] | None = None) -> list[R]:
         """Run ``fn(worker, job)`` for every job; results in job order. ``fn`` must not raise
-        for per-job failures (it records them); anything it raises stops the batch."""
+        for per-job failures (it records them); anything it raises stops the batch.
+
+        The jobs are dealt out in a fixed order: thread t plays jobs t, t+T, t+2T, ... on worker t, so
+        which episodes run side by side never depends on timing. ``around(t)`` wraps thread t's whole
+        run (a decoder's lockstep session, ``policies.batched``)."""
         jobs = list(jobs)
         lock = threading.Lock()
+        n = min(len(self.workers), len(jobs))
+        results: list = [None] * len(jobs)
 
-        def run(job):
-            w = self._free.get()
-            try:
-                r = fn(w, job)
-            finally:
-                self._free.put(w)
-            if on_result is not None:
-                with lock:
-                    on_result(job, r)
-            return r
+        def run(t: int) -> None:
+            w = self.workers[t]
+            with around(t) if around is not None else nullcontext():
+                for i in range(t, len(jobs), n):
+                    results[i] = fn(w, jobs[i])
+                    if on_result is not None:
+                        with lock:
+                            on_result(jobs[i], results[i])
 
-        with ThreadPoolExecutor(max_workers=len(self.workers)) as ex:
-            return list(ex.map(run, jobs))
+        if n == 0:
+            return []
+        with ThreadPoolExecutor(max_workers=n) as ex:
+            for f in [ex.submit(run, t) for t in range(n)]:
+                f.result()
+        return results
 
     @property
     def restarts(self) -> int:

@@ -23,7 +23,7 @@ from evoharness.harness.experience import Experience
 from evoharness.harness.workspace import META_VERBS, HarnessConfig, Workspace
 from evoharness.reward import RewardConfig, components, total
 
-PROMPT_VERSION = 3
+PROMPT_VERSION = 4  # 4: an invalid turn changes the next prompt (OBSERVATION, RESULT, LAST ACTIONS)
 HISTORY = 10
 
 VERB_HELP = {
@@ -297,12 +297,13 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
             else:
                 kind, valid, shown, cost = "invalid", False, "Nothing happens.", 1
             if not valid:
+                # The next prompt must differ from this one, or a greedy policy repeats itself to the end of
+                # its budget: OBSERVATION says nothing happened, RESULT why, LAST ACTIONS holds the attempt.
                 invalid += 1
-                if parsed.action and not parsed.verb:
-                    observation = "Nothing happens."
+                observation = "Nothing happens."
+                ws.result = f"{parsed.verb}: invalid ({shown})" if parsed.verb else ""
             steps += cost
-            if parsed.action:
-                history.append(parsed.action)
+            history.append(parsed.action if parsed.action else "(invalid reply)")
             traj.turns.append(Turn(t, prompt, response, parsed.action, kind, valid, shown, cost))
             t += 1
         traj.notes = list(ws.notes)
@@ -315,6 +316,8 @@ def run_episode(env: Stepper, game: Game, policy: Policy, cfg: EpisodeConfig, ba
     traj.outcome = {
         "won": won,
         "steps": steps,
+        "steps_free": sum(1 for x in traj.turns if x.kind in ("env", "invalid")),  # meta-actions free (reported evaluations)
+        "steps_charged": len(traj.turns),  # every meta-action a step (GRPO's training budget)
         "turns": len(traj.turns),
         "calls": calls,
         "invalid": invalid,

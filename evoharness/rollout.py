@@ -71,4 +71,6 @@ def run_batch(
         if progress is not None:
             progress(rec)
 
-    return pool.map(one, jobs, on_result=done)
+    probe = make_policy(spec)  # a model policy decodes the episodes' turns in lockstep rounds (reproducible batches)
+    around = (lambda t: probe.session(t)) if hasattr(probe, "session") else None
+    return pool.map(one, jobs, on_result=done, around=around)

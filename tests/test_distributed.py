@@ -84,10 +84,10 @@ def tiny_folder(tmp_path_factory) -> Path:
     return out
 
 
-def _cli(cwd: Path, *args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def _cli(cwd: Path, *args, env: dict | None = None, timeout: int = 600, module: str = "evoharness.cli") -> subprocess.CompletedProcess:
     e = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
     e.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "evoharness.cli", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def _project_params(base_path: str) -> dict:
@@ -99,7 +99,7 @@ def _project_params(base_path: str) -> dict:
     toy["sft"].update(max_steps=3)  # the toy's sizes: 3 SFT steps, 2 GRPO updates of 2 games x 2 rollouts, on 2 processes
     p["profiles"]["tiny-dist"] = toy
     p["profile"] = "tiny-dist"
-    p["promotion"]["thresholds"]["tiny-dist"] = {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05}
+    p["promotion"]["thresholds"]["tiny-dist"] = {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": []}
     return p
 
 
@@ -159,7 +159,7 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     dvc(["repro", "demos"], repo)
     r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--out", "models/tiny-qwen3")  # the toy's pretrained base, as a folder
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _cli(repo, "run", timeout=1500)
+    r = _cli(repo, "run", timeout=1500, module="flows.cli")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "decision: evoharness-test-tiny-dist version 1 PROMOTED" in r.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]

@@ -126,3 +126,39 @@ def test_prompts_identical_between_collection_and_evaluation(games_root, tmp_pat
         assert [t["prompt"] for t in ev["turns"]] == [t["prompt"] for t in d["turns"]]
         assert r["played"] == 1
     assert build_prompt.__module__ == "evoharness.episode"
+
+
+def test_an_invalid_turn_changes_the_next_prompt(games_root, pool):
+    """Else a greedy policy, seeing the byte-identical prompt again, repeats itself to the end."""
+    game = list_games(games_root, "valid_seen")[0]
+    script = ["<think>x</think>\n<action>track egg</action>", "not a reply", "<think>x</think>\n<action>commit</action>",
+              "<think>x</think>\n<action>look</action>"]
+    t = run_episode(pool.workers[0], game, Script(script), EpisodeConfig(max_steps=3, max_turns=6), Experience.seeded(), 0)
+    prompts = [x.prompt for x in t.turns]
+    assert [x.kind for x in t.turns] == ["track", "invalid", "invalid", "env"] and len(set(prompts)) == len(prompts)
+    assert "RESULT: none" in prompts[2] and "OBSERVATION: Nothing happens." in prompts[2] and "(invalid reply)" in prompts[2]
+    assert "RESULT: commit: invalid (commit needs a subgoal)" in prompts[3]
+    assert t.outcome["steps_free"] == 3 and t.outcome["steps_charged"] == 4  # both budgets reported
+
+
+def test_every_move_the_teacher_makes_on_information_is_on_the_students_screen(games_root, pool):
+    """Replay the teacher's demos: each move to a receptacle that finds an object (not the objective's
+    destination, nor the recipe's appliance) names its receptacle in the prompt it was chosen from,
+    in RESULT, OBSERVATION or PLAN."""
+    games = list_games(games_root, "train") + list_games(games_root, "valid_seen")
+    trajs = pool.map(lambda w, g: run_episode(w, g, make_policy(PolicySpec(kind="teacher", noise=0.2)), EpisodeConfig(), Experience.seeded(), 0), games)
+    appliances = {"pick_heat_then_place_in_recep": "microwave", "pick_cool_then_place_in_recep": "fridge", "pick_clean_then_place_in_recep": "sinkbasin"}
+    checked = 0
+    for t in trajs:
+        dest, app = t.target["receptacle"], appliances.get(t.family)
+        for turn in t.turns:
+            if turn.kind != "env" or not turn.action.startswith("go to ") or "I try something else" in turn.response:
+                continue
+            where = turn.action[len("go to "):]
+            kind = where.rsplit(" ", 1)[0]
+            if kind in (dest, app):
+                continue
+            screen = {k: v for k, v in (ln.split(": ", 1) for ln in turn.prompt.splitlines() if ": " in ln)}
+            assert any(where in screen.get(k, "") for k in ("RESULT", "OBSERVATION", "PLAN")), (t.game_id, turn.t, turn.action, screen.get("RESULT"))
+            checked += 1
+    assert checked >= len(trajs)

@@ -151,3 +151,73 @@ def test_config_rejects_unknown_fields():
     with pytest.raises(Exception):
         HarnessConfig(mode="sometimes")
     assert json.loads(HarnessConfig().model_dump_json())["mode"] == "inline"
+
+
+def test_look_and_examine_leave_belief_as_it_was():
+    """ALFWorld's `look` answers "Next to it, you see nothing.": that says nothing of what is on the desk."""
+    b = Belief()
+    b.observe(None, INTRO)
+    b.observe("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 1, and a potato 1.")
+    b.observe("look", "You are facing the countertop 1. Next to it, you see nothing.")
+    assert b.objects == {"mug 1": "countertop 1", "potato 1": "countertop 1"}
+    b.observe("examine countertop 1", "On the countertop 1, you see a mug 1.")  # a real listing does update it
+    assert b.objects == {"mug 1": "countertop 1"}
+
+
+def test_track_matches_the_exact_type_never_a_substring():
+    b = Belief()
+    b.observe(None, "Looking quickly around you, you see a cabinet 1, a countertop 1, a drawer 1, and a stoveburner 1.")
+    b.observe("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a potato 1, a pencil 2, and a butterknife 1.")
+    assert b.answer("pot").startswith("not seen yet: pot; unvisited: cabinet 1, drawer 1")
+    assert b.answer("pen").startswith("not seen yet: pen") and b.answer("knife").startswith("not seen yet: knife")
+    assert b.answer("potato") == "potato 1 in countertop 1" and b.answer("pencil 2") == "pencil 2 in countertop 1"
+
+
+def test_track_marks_what_the_agent_placed_and_goes_on_to_the_unvisited():
+    """Pick2, second object: the apple already placed is not the apple to find."""
+    b = Belief()
+    b.observe(None, INTRO)
+    b.observe("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a apple 1.")
+    b.observe("take apple 1 from countertop 1", "You pick up the apple 1 from the countertop 1.")
+    b.observe("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")
+    b.observe("move apple 1 to fridge 1", "You move the apple 1 to the fridge 1.")
+    assert b.answer("apple") == "apple 1 in fridge 1 (placed by you); not seen elsewhere yet: apple; unvisited: cabinet 1, microwave 1"
+    assert b.where("apple") == []
+    b.observe("go to cabinet 1", "You arrive at cabinet 1. On the cabinet 1, you see a apple 2.")
+    assert b.answer("apple") == "apple 1 in fridge 1 (placed by you); apple 2 in cabinet 1" and b.where("apple") == [("apple 2", "cabinet 1")]
+
+
+def test_an_empty_commit_is_invalid_like_an_empty_note():
+    ws = Workspace(HarnessConfig(), Experience.seeded())
+    ws.start(INTRO)
+    assert ws.handle("commit", "") == (False, "commit needs a subgoal")
+    assert ws.handle("note", "") == (False, "note needs an insight")
+    assert ws.handle("commit", "find apple")[0]
+
+
+def test_always_on_runs_the_harness_every_turn():
+    """The frozen harness: PLAN follows the subgoals the actions achieve, HINTS follow PLAN, BELIEF
+    ranks the unvisited receptacles for the objective's object."""
+    bank = Experience.seeded()
+    bank.apply([{"op": "add", "category": "search_priorities", "key": "apple", "text": "apple is usually in: fridge (3), microwave (1)"},
+                {"op": "add", "category": "task_skills", "key": "pick_heat_then_place_in_recep", "text": "heat: take the apple, heat it with the microwave"}])
+    ws = Workspace(HarnessConfig(mode="always_on"), bank, task="put a hot apple in countertop.", family="pick_heat_then_place_in_recep")
+    ws.start(INTRO)
+    v = ws.views()
+    assert v["PLAN"] == "(empty)" and "unvisited (likeliest first for apple): fridge 1, microwave 1, cabinet 1, countertop 1" in v["BELIEF"]
+    before = v["HINTS"]
+    ws.observe("go to fridge 1", "You arrive at fridge 1. The fridge 1 is open. In it, you see a apple 1.")
+    ws.observe("take apple 1 from fridge 1", "You pick up the apple 1 from the fridge 1.")
+    v = ws.views()
+    assert v["PLAN"] == "[ ] take apple 1" and "holding: apple 1" in v["BELIEF"]
+    ws.observe("heat apple 1 with microwave 1", "You heat the apple 1 using the microwave 1.")
+    assert ws.views()["PLAN"] == "[x] take apple 1; [ ] heat apple 1" and ws.views()["HINTS"] != before
+
+
+def test_an_llm_merge_cannot_delete_what_it_names_twice_and_a_bad_support_is_rejected():
+    bank = Experience.seeded()
+    e0 = bank.entries[0]
+    e0.uses = USAGE_VETO
+    log = bank.apply([{"op": "merge", "ids": [e0.id, e0.id], "text": "x"}, {"op": "add", "category": "notes", "text": "n", "support": "high"}])
+    assert [x["result"] for x in log] == ["rejected: merge needs 2+ entries of one category", "rejected: support 'high' is not a number"]
+    assert bank.get(e0.id) is e0 and e0.text != "x"

@@ -325,3 +325,41 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
     empty.write_text(json.dumps({"episode_id": "x", "turns": []}) + "\n")
     with pytest.raises(EvoError, match=r"empty.jsonl has no turns to pretrain on"):
         make_tiny_base(empty, tmp_path / "none", {**TINY, "pretrain_epochs": 1}, 0)
+
+
+def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained):
+    """GRPO's log-probabilities are those of the distribution the rollout sampled from: the trainer
+    replays each row's constraint (``constraint_masks``) and renormalises over it, so for a
+    constrained sample its per-token log-probs equal the sampler's, and the unconstrained ones do not."""
+    import threading
+
+    import torch
+
+    from evoharness.policies.batched import BatchedGenerator
+    from evoharness.policies.hf import load
+    from evoharness.training.grpo import constrained_logps, constraint_masks
+
+    tok, model, _ = load(str(trained["dir"] / "sft"))
+    prompts = _demo_prompts(trained["dir"], 4)
+    gen = BatchedGenerator(model, tok, True, 1.0, 24, constrained=True)
+    got: list = [None] * len(prompts)
+
+    def go(i):
+        got[i] = gen(prompts[i][0], seed=i, view=prompts[i][1])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    width = max(len(s.completion_ids) for s in got)
+    for s, (_, view) in zip(got, prompts):
+        masks = constraint_masks(tok, [s.completion_ids], [(view.admissible, view.verbs)], 24, width, len(tok))
+        ids = torch.tensor([s.prompt_ids + s.completion_ids + [tok.pad_token_id] * (width - len(s.completion_ids))])
+        am = torch.tensor([[1] * (len(s.prompt_ids) + len(s.completion_ids)) + [0] * (width - len(s.completion_ids))])
+        with torch.no_grad():
+            lp, ent = constrained_logps(model, ids, am, width, masks, 1.0, compute_entropy=True)
+            free = torch.log_softmax(model(input_ids=ids, attention_mask=am).logits[:, -width - 1 : -1].float(), -1)
+            free = free.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
+        n = len(s.completion_ids)
+        assert torch.allclose(lp[0, :n], torch.tensor(s.logprobs), atol=1e-4), (lp[0, :n], s.logprobs)
+        assert (lp[0, :n] >= free[0, :n] - 1e-5).all() and (lp[0, :n] - free[0, :n]).max() > 0.1  # renormalised, not the free model's
+        assert torch.isfinite(ent[0, :n]).all()

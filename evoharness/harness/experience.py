@@ -163,11 +163,18 @@ class Experience:
         return e
 
     def apply(self, edits: list[dict]) -> list[dict]:
-        """Apply edits (add / update / merge / delete); return what was applied or vetoed."""
+        """Apply edits (add / update / merge / delete); return what was applied, vetoed or rejected.
+        An edit an LLM got wrong (a non-numeric support, a merge naming one entry twice) is rejected
+        with its reason, never applied halfway and never a crash."""
         log = []
         for ed in edits:
             op = ed.get("op")
             cat = ed.get("category")
+            try:
+                support = int(ed.get("support", 1))
+            except (TypeError, ValueError):
+                log.append({**ed, "result": f"rejected: support {ed.get('support')!r} is not a number"})
+                continue
             if op == "add":
                 if cat not in CATEGORIES or not str(ed.get("text", "")).strip():
                     log.append({**ed, "result": "rejected: bad category or empty text"})
@@ -175,7 +182,7 @@ class Experience:
                 if len(self.by_category(cat)) >= MAX_PER_CATEGORY and not self._evict(cat, log):
                     log.append({**ed, "result": "vetoed: category full and every entry in use"})
                     continue
-                e = self._add(cat, str(ed["text"]).strip(), str(ed.get("key", "")), int(ed.get("support", 1)))
+                e = self._add(cat, str(ed["text"]).strip(), str(ed.get("key", "")), support)
                 log.append({"op": "add", "category": cat, "id": e.id, "text": e.text, "result": "applied"})
             elif op == "update":
                 e = self.get(str(ed.get("id")))
@@ -183,11 +190,11 @@ class Experience:
                     log.append({**ed, "result": "rejected: no such entry"})
                     continue
                 e.text = str(ed.get("text", e.text)).strip() or e.text
-                e.support += int(ed.get("support", 1))
+                e.support += support
                 e.updated = self.updates
                 log.append({"op": "update", "category": e.category, "id": e.id, "text": e.text, "result": "applied"})
             elif op == "merge":
-                ids = [str(i) for i in ed.get("ids", [])]
+                ids = list(dict.fromkeys(str(i) for i in ed.get("ids", [])))  # ["e0", "e0"] would merge e0 away into itself
                 found = [self.get(i) for i in ids]
                 if len(ids) < 2 or any(f is None for f in found) or len({f.category for f in found}) != 1:
                     log.append({**ed, "result": "rejected: merge needs 2+ entries of one category"})

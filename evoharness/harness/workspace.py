@@ -18,6 +18,7 @@ from evoharness.harness.experience import Experience
 from evoharness.harness.progress import Progress
 
 META_VERBS = ("track", "commit", "recall", "note")
+ACHIEVING = ("take", "clean", "heat", "cool", "use", "move")  # env actions that complete a subgoal
 VERB_MODULE = {"track": "belief", "commit": "progress", "recall": "experience", "note": "experience"}
 Mode = Literal["env_only", "always_on", "inline"]
 
@@ -57,16 +58,36 @@ class Workspace:
 
     def start(self, observation: str) -> None:
         self.belief.observe(None, observation)
-        if self.config.mode == "always_on" and self.config.experience and self.bank is not None:
-            self.hints, ids = self.bank.recall(self.task, self.family)
-            self.recalled.extend(ids)
+        if self.config.mode == "always_on":
+            self._refresh_hints(self.task)
 
     def observe(self, action: str, observation: str) -> None:
         """An env action ran: Belief reads its observation, and RESULT goes back to ``none``, so
         RESULT only ever answers the meta-action of the turn before (a stale answer, shown
-        after the agent has moved on, reads the same as a fresh one)."""
+        after the agent has moved on, reads the same as a fresh one). In ``always_on`` the harness
+        runs itself: Progress records each subgoal the action achieved, and the hints follow it."""
         self.belief.observe(action, observation)
         self.result = ""
+        if self.config.mode == "always_on" and not observation.startswith("Nothing happens"):
+            verb = action.split(" ", 1)[0]
+            if verb in ACHIEVING and self.config.progress:
+                self.progress.commit(action.split(" from ")[0].split(" with ")[0])
+                self._refresh_hints(f"how to {self.task}" if verb != "move" else self.task)
+
+    def _refresh_hints(self, query: str) -> None:
+        if self.config.experience and self.bank is not None:
+            self.hints, ids = self.bank.recall(query, self.family)
+            self.recalled.extend(ids)
+
+    def sought(self) -> str:
+        """The object type the objective names first among those Experience has search priorities
+        for (the frozen harness reads the objective, never the task's hidden targets)."""
+        if self.bank is None or not self.config.experience:
+            return ""
+        for w in self.task.lower().replace(".", " ").split():
+            if self.bank.where_counts(w):
+                return w
+        return ""
 
     def handle(self, verb: str, arg: str) -> tuple[bool, str]:
         """Answer a meta-action; (valid, text shown next turn). A disabled verb is invalid."""
@@ -76,6 +97,8 @@ class Workspace:
         if verb == "track":
             out = self.belief.answer(arg, self.search_priority(arg))
         elif verb == "commit":
+            if not arg:
+                return False, "commit needs a subgoal"  # an empty commit is no move: invalid, like an empty note
             out = self.progress.commit(arg)
         elif verb == "recall":
             if self.bank is None:
@@ -107,7 +130,8 @@ class Workspace:
         v: dict[str, str] = {}
         if cfg.mode == "always_on":
             if cfg.belief:
-                v["BELIEF"] = self.belief.summary()
+                sought = self.sought()
+                v["BELIEF"] = self.belief.summary(self.bank.where_counts(sought) if sought else None, sought)
             if cfg.progress:
                 v["PLAN"] = self.progress.checklist()
             if cfg.experience:

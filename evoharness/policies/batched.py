@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from evoharness.chat_format import render
@@ -34,6 +35,7 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
+    constraint: tuple | None = None  # (admissible, verbs) it was decoded under, when a rollout records it
 
 
 def stop_ids(tok) -> list[int]:
@@ -51,13 +53,21 @@ class _Request:
     ids: list[int]
     constraint: object  # the backend's: an ActionConstraint, a regex, or None
     seed: int | None
+    key: object = None  # the session's order key (lockstep rounds), None outside a session
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
 
 
 class Batcher:
-    """The leader pattern over episode threads; a backend implements ``_decode(batch)``."""
+    """The leader pattern over episode threads; a backend implements ``_decode(batch)``.
+
+    Threads inside ``session(key)`` decode in lockstep rounds: a round is decoded once every
+    session has its request in, rows in key order, in chunks of ``max_batch``. What shares a batch
+    then depends only on which episodes are running, never on timing, so a rerun decodes the same
+    batches and, on the same machine, the same tokens bit for bit (GRPO and evaluation are
+    reproducible). Threads outside any session are batched with whoever asked within ``wait_s``.
+    """
 
     ACTIVE_S = 5.0  # a thread that asked within this many seconds is expected in the next batch
 
@@ -72,8 +82,23 @@ class Batcher:
         self._pending: list[_Request] = []
         self._leading = False
         self._seen: dict[int, float] = {}
+        self._members: dict[int, object] = {}  # thread id -> session key
         self.batches = 0
         self.rows = 0
+
+    @contextmanager
+    def session(self, key):
+        """This thread takes part in lockstep rounds until the block ends (see the class docstring)."""
+        me = threading.get_ident()
+        with self._cv:
+            self._members[me] = key
+            self._cv.notify_all()
+        try:
+            yield self
+        finally:
+            with self._cv:
+                self._members.pop(me, None)
+                self._cv.notify_all()
 
     # -- the Sampler interface -------------------------------------------------------------
     def __call__(self, prompt: str, seed: int | None = None, view=None):
@@ -81,6 +106,7 @@ class Batcher:
         c = self._constraint(tuple(view.admissible), tuple(view.verbs)) if (self.constrained and view is not None) else None
         req = _Request(list(ids), c, seed)
         with self._cv:
+            req.key = self._members.get(threading.get_ident())
             self._pending.append(req)
             self._seen[threading.get_ident()] = time.monotonic()
             self._cv.notify_all()
@@ -109,7 +135,20 @@ class Batcher:
         return c if c.active else None
 
     def _collect(self) -> list[_Request]:
-        """Called holding the lock: wait for the other active threads' requests, then take a batch."""
+        """Called holding the lock: the next batch. In lockstep, the whole round once every session's
+        request is in (sorted by key); otherwise whoever asked within ``wait_s``."""
+        if self._members:
+            while True:
+                keys = {r.key for r in self._pending if r.key is not None}
+                if set(self._members.values()) <= keys:
+                    break
+                self._cv.wait(1.0)
+                if not self._members:
+                    break
+            round_ = sorted((r for r in self._pending if r.key is not None), key=lambda r: r.key)
+            round_ += [r for r in self._pending if r.key is None]  # a thread outside any session rides along
+            self._pending = []
+            return round_
         now = time.monotonic()
         self._seen = {k: t for k, t in self._seen.items() if now - t < self.ACTIVE_S}
         expected = min(len(self._seen), self.max_batch)
@@ -124,18 +163,20 @@ class Batcher:
 
     # -- decoding --------------------------------------------------------------------------
     def _run(self, batch: list[_Request]) -> None:
-        try:
-            outs = self._decode(batch)
-        except BaseException as e:  # every waiting thread gets the error, none hangs
-            for r in batch:
-                r.error = e
+        for i in range(0, len(batch), self.max_batch):
+            chunk = batch[i : i + self.max_batch]
+            try:
+                outs = self._decode(chunk)
+            except BaseException as e:  # every waiting thread gets the error, none hangs
+                for r in batch[i:]:
+                    r.error = e
+                    r.done.set()
+                return
+            self.batches += 1
+            self.rows += len(chunk)
+            for r, (comp, logps) in zip(chunk, outs):
+                r.result = Sample(self.tok.decode(comp, skip_special_tokens=True), r.ids, comp, logps)
                 r.done.set()
-            return
-        self.batches += 1
-        self.rows += len(batch)
-        for r, (comp, logps) in zip(batch, outs):
-            r.result = Sample(self.tok.decode(comp, skip_special_tokens=True), r.ids, comp, logps)
-            r.done.set()
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         raise NotImplementedError

@@ -132,6 +132,11 @@ class HFPolicy:
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
 
+    def session(self, key):
+        """This episode thread's lockstep session with the shared decoder (``policies.batched``)."""
+        return generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained, self.backend, self.device,
+                         self.dtype).session(key)
+
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         sampler = generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained, self.backend, self.device,
                             self.dtype)

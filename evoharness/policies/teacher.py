@@ -2,13 +2,15 @@
 a good agent would use them.
 
 recall at the start; commit each subgoal as the task moves on; note after finding and taking
-the target; track before every search move (and after a detour), then go to the first
-receptacle of Belief's answer: the unvisited ones, ranked by where Experience says the object
-usually is. That replaces the expert's own search order, which reads the room listing of the
-first turn and the expert's private bookkeeping: the student can see neither, but it can see
-the answer to ``track``. ``noise``
-replaces an expert step by a random admissible command, so that some demos fail, as the
-paper's teacher did (87 of 500 kept).
+the target. Every move the teacher makes on information is put on the student's screen first:
+before each move to find an object (the task's object, Pick2's second one, the Look task's lamp) it
+calls ``track <object>`` and goes where the answer points: the receptacle it was seen in (one it did
+not place itself), else the first unvisited receptacle, ranked by where Experience says the object
+usually is. In ``always_on`` it follows the BELIEF panel's order, in ``env_only`` the room's. That
+replaces the expert's own search, which reads the first turn's room listing and its private memory
+of where each object class was seen: the student sees neither. Moves to the destination or an
+appliance follow the objective and the recipe. ``noise`` replaces an expert step by a random
+admissible command, so that some demos fail, as the paper's teacher did (87 of 500 kept).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class TeacherPolicy:
         self.reset(0)
 
     def fingerprint(self) -> str:
-        return f"teacher:v1:noise={self.noise}"
+        return f"teacher:v2:noise={self.noise}"
 
     def reset(self, seed: int) -> None:
         self.rng = random.Random(f"teacher/{seed}/{self.noise}")
@@ -106,25 +108,31 @@ class TeacherPolicy:
                 nxt = _next_subgoal(p.family, t, "placed_first")
                 if nxt:
                     self._queue(verbs, "commit", nxt, f"One {obj} is placed; next I {nxt}.")
-        if self.detoured:  # back from a random step: re-read Belief before searching on
+        if self.detoured:  # back from a random step: the next search move tracks again anyway
             self.detoured = False
-            if p.workspace.belief.held is None:
-                self._queue(verbs, "track", obj, f"I have not found the {obj} yet; let me check what I know.")
 
-    def _sought(self, p: Privileged) -> str | None:
-        """The object type being searched for, or None when nothing is (it is held, or seen)."""
+    def _target(self, p: Privileged) -> str | None:
+        """The object type a move to a receptacle would be for: the task's object while nothing is
+        held (again for Pick2's second one), the lamp while holding the object in a Look task; None
+        when the move is to the destination or an appliance (named by the objective or the recipe)."""
         t, belief = p.target, p.workspace.belief
         if belief.held is None:
-            sought = t["object"]
-        elif p.family == "look_at_obj_in_light" and t.get("toggle") and belief.held.startswith(f"{t['object']} "):
-            sought = t["toggle"]
-        else:
-            return None
-        skip = t["receptacle"] if (p.family == "pick_two_obj_and_place" and self.placed) else None
-        for o, r in belief.objects.items():
-            if object_type(o) == sought and (skip is None or object_type(r) != skip):
-                return None  # seen somewhere: the expert walks straight there
-        return sought
+            return t["object"]
+        if p.family == "look_at_obj_in_light" and t.get("toggle") and belief.held.startswith(f"{t['object']} "):
+            return t["toggle"]
+        return None
+
+    @staticmethod
+    def _ranking(p: Privileged, target: str) -> dict[str, int] | None:
+        """The search order the student is shown: ``track``'s answer (inline), the BELIEF panel's
+        (always_on), or the room's own order (env_only shows neither)."""
+        ws = p.workspace
+        if ws.config.mode == "inline":
+            return ws.search_priority(target)
+        if ws.config.mode == "always_on":
+            sought = ws.sought()
+            return ws.bank.where_counts(sought) if sought else None
+        return None
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         p, verbs = privileged, view.verbs
@@ -139,11 +147,13 @@ class TeacherPolicy:
             think, action = self.queue.pop(0)
             return format_response(think, action)
         action = p.expert_action
-        sought = self._sought(p) if action and action.startswith("go to ") else None
-        if sought:  # a search move: ask Belief, then go where its answer points first
-            if "track" in verbs and (not view.last_actions or view.last_actions[-1] != f"track {sought}"):
-                return format_response(f"I have not found the {sought} yet; let me check what I know.", f"track {sought}")
-            order = p.workspace.belief.unvisited(p.workspace.search_priority(sought))
+        target = self._target(p) if action and action.startswith("go to ") else None
+        if target:  # a move on information: put it on screen first (track), then move as it says
+            belief = p.workspace.belief
+            if "track" in verbs and (not view.last_actions or view.last_actions[-1] != f"track {target}"):
+                return format_response(f"Where is a {target}? Let me check what I know.", f"track {target}")
+            known = [r for _, r in belief.where(target) if r != belief.location]
+            order = known or belief.unvisited(self._ranking(p, target))
             if order and f"go to {order[0]}" in view.admissible:
                 action = f"go to {order[0]}"
         if action is None or action not in view.admissible or (self.noise and self.rng.random() < self.noise):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -52,6 +53,7 @@ class RecordingPolicy:
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         s = self.sampler(prompt, seed=self.seed * 1000 + len(self.turns), view=view)
+        s.constraint = (tuple(view.admissible), tuple(view.verbs))  # what the trainer re-applies to score it
         self.turns.append(s)
         return s.text
 
@@ -85,8 +87,9 @@ class Rollouts:
     REPLAYS = 1  # an errored episode is played again this many times; a group still errored is dropped
 
     def __init__(self, games: dict[str, Game], profile: Profile, bank: Experience, pool: EnvPool, tok, out_dir: Path, reward: RewardConfig,
-                 seed: int = 0, curve: Path | None = None, banks: Path | None = None):
+                 seed: int = 0, curve: Path | None = None, banks: Path | None = None, harness: HarnessConfig | None = None):
         self.games, self.profile, self.bank, self.pool, self.tok = games, profile, bank, pool, tok
+        self.harness = (harness or HarnessConfig()).model_copy(update={"charge_meta_actions": profile.grpo.charge_meta_actions})
         self.out_dir, self.reward, self.seed = Path(out_dir), reward, seed
         self.curve = Path(curve) if curve else self.out_dir / "curve.jsonl"
         self.banks = Path(banks) if banks else None  # the bank after each update, for a resumed run
@@ -120,8 +123,7 @@ class Rollouts:
         acc = trainer.accelerator
         rank = acc.process_index
         u = int(trainer.state.global_step)
-        cfg = EpisodeConfig(max_steps=g.max_steps_per_episode, harness=HarnessConfig(mode="inline", charge_meta_actions=g.charge_meta_actions),
-                            reward=self.reward, update=u)
+        cfg = EpisodeConfig(max_steps=g.max_steps_per_episode, harness=self.harness, reward=self.reward, update=u)
         blocks = group_blocks(list(prompts), n_gen)
         for gid in blocks:
             if gid not in self.games:
@@ -135,20 +137,21 @@ class Rollouts:
             k, gid, r, attempt = job
             seed = stable_seed(self.seed, u, first_slot + k, r, attempt)
             pol = RecordingPolicy(sampler, seed)
-            traj = run_episode(worker, self.games[gid], pol, cfg, self.bank, seed)
+            traj = run_episode(worker, self.games[gid], pol, cfg, self.bank if self.harness.mode != "env_only" else None, seed)
             return traj, pol.turns
 
         jobs = [(k, gid, r, 0) for k, gid in enumerate(blocks) for r in range(g.rollouts)]
         with self.generator(trainer) as sampler:
-            results = self.pool.map(play, jobs)
+            results = self.pool.map(play, jobs, around=sampler.session)
             for attempt in range(1, self.REPLAYS + 1):  # an errored reset or worker: play that episode again
                 again = [i for i, (t, _) in enumerate(results) if t.error]
                 if not again:
                     break
-                for i, res in zip(again, self.pool.map(play, [(*jobs[i][:3], attempt) for i in again])):
+                for i, res in zip(again, self.pool.map(play, [(*jobs[i][:3], attempt) for i in again], around=sampler.session)):
                     results[i] = res
         self.calls += 1
-        rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "episode_reward": [], "episode_won": []}
+        rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "episode_reward": [], "episode_won": [], "constraint": []}
+        constrained = self.profile.decoding == "constrained" and self.profile.generation == "hf"
         rng = random.Random(f"{self.seed}/{u}/{rank}")
         dropped = []
         for k, gid in enumerate(blocks):
@@ -165,6 +168,7 @@ class Rollouts:
                     rows["env_mask"].append(decision_mask(s.logprobs or [0.0]) if ok else [0] * len(s.completion_ids or [0]))
                     rows["episode_reward"].append(r)
                     rows["episode_won"].append(bool(traj.outcome.get("won")))
+                    rows["constraint"].append(getattr(s, "constraint", None) if constrained and s.completion_ids else None)
         if len(rows["prompt_ids"]) != len(prompts):
             raise EvoError(f"grpo: process {rank} built {len(rows['prompt_ids'])} rows for {len(prompts)} prompts")
         trajs = [t.to_json() for t, _ in results]
@@ -224,6 +228,105 @@ class Rollouts:
             f.write(json.dumps(rec) + "\n")
 
 
+def constraint_masks(tok, completions: list[list[int]], specs: list, budget: int, width: int, vocab: int):
+    """Per row and completion position, the tokens the decoding constraint allowed there (the same
+    ``ActionConstraint`` the sampler used, replayed on the row's own prefix): a (rows, width, vocab)
+    bool tensor, all True for an unconstrained row and past a row's end."""
+    import torch
+
+    from evoharness.policies.constrain import ActionConstraint
+
+    masks = torch.ones((len(completions), width, vocab), dtype=torch.bool)
+    cache: dict = {}
+    for i, (comp, spec) in enumerate(zip(completions, specs)):
+        if spec is None:
+            continue
+        key = (tuple(spec[0]), tuple(spec[1]))
+        c = cache.get(key) or cache.setdefault(key, ActionConstraint(tok, key[0], key[1], budget))
+        if not c.active:
+            continue
+        for j in range(min(len(comp), width)):
+            masks[i, j] = False
+            masks[i, j, c.allowed(list(comp[:j]))] = True
+    return masks
+
+
+def constrained_logps(model, input_ids, attention_mask, logits_to_keep: int, masks, temperature: float, batch_size: int | None = None,
+                      compute_entropy: bool = False):
+    """Log-probabilities (and entropies) of the completion tokens under the distribution the rollouts
+    sampled from: the model's logits over temperature, renormalised over the tokens the constraint
+    allowed. The loss then moves probability only among moves the policy can make."""
+    import torch
+
+    bs = batch_size or input_ids.size(0)
+    logps, ents = [], []
+    for start in range(0, input_ids.size(0), bs):
+        ids, am = input_ids[start : start + bs], attention_mask[start : start + bs]
+        logits = model(input_ids=ids, attention_mask=am).logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
+        m = masks[start : start + bs].to(logits.device)[..., : logits.size(-1)]
+        logp = torch.log_softmax(logits.masked_fill(~m, float("-inf")), dim=-1)
+        logps.append(logp.gather(-1, ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1))
+        if compute_entropy:
+            ents.append(-(logp.exp() * logp.masked_fill(~m, 0.0)).sum(-1))
+    return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)
+
+
+def _constrained_trainer_class():
+    from trl import GRPOTrainer
+
+    class ConstrainedGRPOTrainer(GRPOTrainer):
+        """TRL's GRPOTrainer, scoring completions with the log-probabilities of the distribution the
+        rollouts were sampled from (``constrained_logps``), for the policy, the old policy and the
+        reference alike; rows without a constraint are scored as TRL scores them."""
+
+        constraint_budget = 512
+
+        def _generate(self, prompts):
+            out = super()._generate(prompts)
+            specs = out[5].get("constraint")
+            comps = out[1]
+            self._masks = None
+            if specs and any(x is not None for x in specs):
+                width = max(len(c) for c in comps)
+                self._masks = constraint_masks(self.processing_class, comps, specs, self.constraint_budget, width, len(self.processing_class))
+            self._active = self._masks
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            self._masks = self._active = None
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            finally:
+                self._active = None
+            if self._masks is not None:
+                out["constraint_mask"] = self._masks
+            return out
+
+        def _compute_loss(self, model, inputs):
+            self._active = inputs.get("constraint_mask")
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._active = None
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                                               compute_aux_loss=False, **kwargs):
+            masks = getattr(self, "_active", None)
+            if masks is None or masks.size(0) != input_ids.size(0) or compute_aux_loss or any(v is not None for v in kwargs.values()):
+                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                                                  compute_aux_loss, **kwargs)
+            if masks.size(1) < logits_to_keep:  # completions padded wider than their longest row
+                import torch
+
+                masks = torch.cat([masks, masks.new_ones((masks.size(0), logits_to_keep - masks.size(1), masks.size(2)))], 1)
+            with self.accelerator.autocast():
+                logps, ents = constrained_logps(model, input_ids, attention_mask, logits_to_keep, masks[:, :logits_to_keep], self.temperature,
+                                                batch_size, compute_entropy)
+            return logps, ents, None
+
+    return ConstrainedGRPOTrainer
+
+
 def decision_mask(logprobs: list[float]) -> list[int]:
     """TRL's ``env_mask`` for a completion: 0 where the token had probability 1 under the constrained
     distribution it was sampled from (log-probability exactly 0), 1 elsewhere. Such a token was forced
@@ -242,10 +345,14 @@ def episode_reward(prompts, completions, episode_reward, **kwargs):
 
 def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir: Path, profile: Profile, reward: RewardConfig,
                seed: int = 0, workers: int = 2, steps: int | None = None, checkpoints: Path | None = None,
-               curve: Path | None = None, timing: Path | None = None, root: Path | None = None) -> dict:
+               curve: Path | None = None, timing: Path | None = None, root: Path | None = None, order: list[str] | None = None,
+               harness: HarnessConfig | None = None) -> dict:
     """Train and save the model and its evolved bank to ``out_dir``; the per-step curve goes to
     ``curve`` (a DVC plot), checkpoints to a folder that survives a kill. With LoRA the adapter is
-    trained on the SFT model and merged into it at the end (``<out>/adapter`` beside the full model)."""
+    trained on the SFT model and merged into it at the end (``<out>/adapter`` beside the full model).
+    ``order``: the training games, slot by slot (default: drawn at random from every training game);
+    ``harness``: the workspace the rollouts act through (default inline, all modules: the ablations
+    switch a module off, plain GRPO uses env_only)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -269,12 +376,20 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         raise EvoError(f"grpo: no training games under {games_root}")
     step = rows_per_step(profile)
     key_parts = dict(grpo=g.model_dump(exclude={"steps"}), sft=weights_digest(sft_dir), seed=seed, reward=reward, processes=profile.num_processes,
-                     bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games))
+                     bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games),
+                     order=hashlib.sha256(json.dumps(order).encode()).hexdigest()[:12], harness=(harness or HarnessConfig()).model_dump())
     ckpts = ckroot / checkpoint_key(**key_parts)
     n_steps = steps if steps is not None else g.steps
-    rng = random.Random(seed)
-    ids = sorted(games)
-    order = [rng.choice(ids) for _ in range(n_steps * g.games_per_step)]
+    if order is None:
+        rng = random.Random(seed)
+        ids = sorted(games)
+        order = [rng.choice(ids) for _ in range(n_steps * g.games_per_step)]
+    else:
+        unknown = sorted(set(order) - set(games))
+        if unknown or len(order) < n_steps * g.games_per_step:
+            raise EvoError(f"grpo: the game order names {len(unknown)} unknown game(s) ({unknown[:2]}) or has fewer than "
+                           f"{n_steps * g.games_per_step} slots ({len(order)})")
+    harness = harness or HarnessConfig()
     cfg = dist.training_args(
         GRPOConfig, profile, root,
         output_dir=str(ckpts),
@@ -316,12 +431,16 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         saved = banks / f"after-u{done - 1}.json"
         if saved.exists():
             bank = Experience.load(saved)
+    # The curve grows beside the checkpoints (DVC removes the stage's outputs before a rerun, a kill
+    # leaves rows past the last checkpoint): a resumed run keeps what its checkpoint covers, and the
+    # output is written once, at the end.
+    running_curve = ckpts / "curve.jsonl"
     if main:
         curve.parent.mkdir(parents=True, exist_ok=True)
         banks.mkdir(parents=True, exist_ok=True)
-        kept = [] if resume is None else [x for x in (curve.read_text().splitlines() if curve.exists() else [])
+        kept = [] if resume is None else [x for x in (running_curve.read_text().splitlines() if running_curve.exists() else [])
                                          if x.strip() and json.loads(x)["update"] < int(Path(resume).name.split("-")[-1])]
-        curve.write_text("".join(x + "\n" for x in kept))  # a fresh run restarts the curve; a resumed one keeps what its checkpoint covers
+        running_curve.write_text("".join(x + "\n" for x in kept))
     tok = AutoTokenizer.from_pretrained(sft_dir)
     # After the arguments: under ZeRO-3 the weights are partitioned as they load (zero.Init).
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=getattr(torch, profile.base.dtype))
@@ -332,15 +451,18 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
 
         peft_config = LoraConfig(r=g.lora_r, lora_alpha=g.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
     with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
-        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, curve, banks if main else None)
-        trainer = GRPOTrainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
-                              processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
+        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, running_curve, banks if main else None, harness)
+        Trainer = _constrained_trainer_class() if (profile.decoding == "constrained" and profile.generation == "hf") else GRPOTrainer
+        trainer = Trainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
+                          processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
+        trainer.constraint_budget = g.max_new_tokens
         t0 = time.time()
         result = trainer.train(resume_from_checkpoint=resume)
         wall = time.time() - t0
     save_trained(trainer, tok, sft_dir, out_dir, g.lora, profile.base.dtype)
     if main:
         rollouts.bank.save(out_dir / "experience.json")
+        shutil.copy(running_curve, curve)
     dist.wait_for_everyone()
     rows = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()] if curve.exists() else []
     episodes = sum(c["episodes"] for c in rows)

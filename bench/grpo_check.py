@@ -1,0 +1,144 @@
+"""A GRPO check that can fail: does cost-aware GRPO raise the policy's success on the games it trains on?
+
+A fixed set of training games where the SFT model wins some rollouts but not all (chosen by playing
+each at temperature 1); several rollouts per game per update, every update on the same games, a
+constant learning rate, 30 or more updates; success on those games at temperature 1 (the updates' own
+rollouts, on-policy) averaged over windows of a few updates; beside a control run with learning rate 0
+(the same seeds, so the same episodes until the weights move). It passes when GRPO's success rises by
+at least 30 points from the first window to the last while the control's stays within its noise (two
+standard errors of the difference of two window means).
+
+    .venv/bin/python bench/grpo_check.py [--games data/games] [--sft data/models/sft-inline] [--bank data/demos/experience.json]
+                                         [--n-games 4] [--rollouts 4] [--updates 30] [--window 5] [--lr 2e-4] [--out bench/results/grpo_check]
+
+Prints the table and the verdict; writes the curves (JSON) and a plot (PNG) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pick_games(games_root: Path, sft: Path, bank: Path, n: int, rollouts: int, profile, params, out: Path) -> list[dict]:
+    """Play every training game ``rollouts`` times at temperature 1 and keep the n games whose win
+    rate is closest to one half (ties by id): games where there is something to learn and a signal."""
+    from evoharness.alfworld.games import list_games
+    from evoharness.evaluate import evaluate
+    from evoharness.harness.experience import Experience
+    from evoharness.policies import PolicySpec
+
+    games = list_games(games_root, "train")
+    spec = PolicySpec(kind="hf", path=str(sft), sample=True, temperature=1.0, max_new_tokens=profile.grpo.max_new_tokens,
+                      constrained=profile.decoding == "constrained")
+    cfg = params.episode.model_copy(update={"max_steps": profile.grpo.max_steps_per_episode,
+                                            "harness": params.episode.harness.model_copy(update={"charge_meta_actions": profile.grpo.charge_meta_actions})})
+    r = evaluate(games, spec, cfg, list(range(rollouts)), out / "selection", profile.episode_workers, Experience.load(bank))
+    from evoharness.rollout import read_jsonl
+
+    recs, _ = read_jsonl(out / "selection" / "episodes.jsonl")
+    wins: dict[str, list[int]] = {}
+    for x in recs:
+        wins.setdefault(x["game_id"], []).append(int(bool(x["outcome"]["won"])))
+    rows = sorted(({"game": g, "wins": sum(w), "played": len(w)} for g, w in wins.items()), key=lambda d: (abs(d["wins"] / d["played"] - 0.5), d["game"]))
+    some = [d for d in rows if 0 < d["wins"] < d["played"]]
+    if len(some) < n:
+        raise SystemExit(f"error: only {len(some)} training games where the SFT model wins some rollouts but not all (need {n}); "
+                         f"overall success {r['summary']['all']['success']:.1%}")
+    return some[:n]
+
+
+def run(label: str, lr: float, ids: list[str], args, profile, params, out: Path) -> list[dict]:
+    from evoharness.training.grpo import train_grpo
+
+    g = profile.grpo.model_copy(update={"games_per_step": len(ids), "rollouts": args.rollouts, "steps": args.updates, "learning_rate": lr,
+                                        "scheduler": "constant", "save_steps": 10_000, "micro_batch": 0})
+    prof = profile.model_copy(update={"grpo": g})
+    curve = out / f"{label}.jsonl"
+    t0 = time.time()
+    train_grpo(args.games, args.sft, args.bank, out / label, prof, params.episode.reward.model_copy(update={"updates": args.updates}), params.seed,
+               params.workers, args.updates, out / f"{label}-checkpoints", curve, None, order=ids * args.updates)
+    rows = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()]
+    print(f"{label}: {len(rows)} updates in {time.time() - t0:.0f} s", flush=True)
+    return rows
+
+
+def windows(rows: list[dict], w: int, per_update: int) -> list[tuple[int, float, float]]:
+    """(first update, mean success, its standard error) per window of w updates."""
+    out = []
+    for i in range(0, len(rows), w):
+        chunk = rows[i : i + w]
+        p = sum(r["success"] for r in chunk) / len(chunk)
+        n = per_update * len(chunk)
+        out.append((i, p, math.sqrt(max(p * (1 - p), 1e-9) / n)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--games", type=Path, default=Path("data/games"))
+    ap.add_argument("--sft", type=Path, default=Path("data/models/sft-inline"))
+    ap.add_argument("--bank", type=Path, default=Path("data/demos/experience.json"))
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--n-games", type=int, default=4)
+    ap.add_argument("--rollouts", type=int, default=4)
+    ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_check"))
+    args = ap.parse_args()
+    from evoharness.config import load_params
+    from evoharness.training.profiles import load_profile
+
+    params = load_params(args.params)
+    profile = load_profile("tiny-cpu", args.params)
+    args.out.mkdir(parents=True, exist_ok=True)
+    chosen = pick_games(args.games, args.sft, args.bank, args.n_games, args.rollouts, profile, params, args.out)
+    ids = [d["game"] for d in chosen]
+    print("games:", ", ".join(f"{d['game']} ({d['wins']}/{d['played']})" for d in chosen), flush=True)
+    grpo = run("grpo", args.lr, ids, args, profile, params, args.out)
+    control = run("control", 0.0, ids, args, profile, params, args.out)
+    per = args.n_games * args.rollouts
+    wg, wc = windows(grpo, args.window, per), windows(control, args.window, per)
+    print(f"\nGRPO check: {args.n_games} games x {args.rollouts} rollouts per update, {args.updates} updates, lr {args.lr} constant; "
+          f"success on those games at temperature 1, mean per window of {args.window} updates\n")
+    print("| updates | GRPO | control (lr 0) |\n|---|---|---|")
+    for (u, p, se), (_, q, se2) in zip(wg, wc):
+        print(f"| {u}-{u + args.window - 1} | {100 * p:.1f} ± {196 * se:.1f} | {100 * q:.1f} ± {196 * se2:.1f} |")
+    rise = wg[-1][1] - wg[0][1]
+    drift = wc[-1][1] - wc[0][1]
+    noise = 2 * math.sqrt(wc[0][2] ** 2 + wc[-1][2] ** 2)
+    ok = rise >= 0.30 and abs(drift) <= noise
+    print(f"\nGRPO rises {100 * rise:+.1f} points (needs >= +30.0); the control moves {100 * drift:+.1f} (noise bound ±{100 * noise:.1f}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    (args.out / "result.json").write_text(json.dumps({"games": chosen, "grpo": wg, "control": wc, "rise": rise, "drift": drift, "noise": noise,
+                                                      "pass": ok, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    plot(grpo, control, args, args.out / "grpo_check.png")
+
+
+def plot(grpo: list[dict], control: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for rows, label in ((grpo, f"GRPO (lr {args.lr})"), (control, "control (lr 0)")):
+        ax.plot([r["update"] for r in rows], [r["success"] for r in rows], marker=".", label=label)
+    ax.set_xlabel("update")
+    ax.set_ylabel("success on the training games (T = 1)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
