@@ -109,7 +109,7 @@ def generation_rate(model, rows: int, prompt_words: int, new_tokens: int, device
     model.eval()
     gen = BatchedGenerator(model, tok, True, 1.0, new_tokens, constrained=True, max_batch=rows, wait_s=0.5)
     admissible = tuple(x.strip() for x in text.split("ADMISSIBLE COMMANDS: ")[1].split("\n")[0].split(" | "))
-    view = SimpleNamespace(admissible=admissible, verbs=("track", "commit", "recall", "note"))
+    view = SimpleNamespace(admissible=admissible, verbs=("track", "commit", "recall", "note"), last_actions=())
     prompt_len = len(tok(text, add_special_tokens=False)["input_ids"])
     out: list = [None] * rows
 

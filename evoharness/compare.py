@@ -40,15 +40,42 @@ def per_family(games, n: int):
 
 
 def comparison_table(results: dict) -> str:
+    """Per model and split: success per family, overall with its 95 % Wilson interval, steps (the free
+    and the charged budget), calls per episode by verb, invalid rate."""
     fams = list(FAMILIES.values())
-    lines = ["| model | split | " + " | ".join(fams) + " | all | steps | " + " | ".join(META_VERBS) + " | invalid |",
+    lines = ["| model | split | " + " | ".join(fams) + " | all % [95 % CI] | steps free / charged | " + " | ".join(META_VERBS) + " | invalid |",
              "|---" * (len(fams) + 5 + len(META_VERBS)) + "|"]
     for label, splits in results.items():
         for split, s in splits.items():
+            if not isinstance(s, dict):
+                continue
             row = [f"{100 * s[f]['success']:.0f}" if f in s else "-" for f in fams]
             a = s["all"]
-            lines.append(f"| {label} | {split} | " + " | ".join(row) + f" | **{100 * a['success']:.1f}** | {a['steps']:.1f} | "
+            lo, hi = a.get("ci95", [float("nan"), float("nan")])
+            lines.append(f"| {label} | {split} | " + " | ".join(row) + f" | **{100 * a['success']:.1f}** [{100 * lo:.0f}, {100 * hi:.0f}] | "
+                         f"{a.get('steps_free', a['steps']):.1f} / {a.get('steps_charged', a['steps']):.1f} | "
                          + " | ".join(f"{a['calls'][v]:.2f}" for v in META_VERBS) + f" | {100 * a['invalid_rate']:.1f}% |")
+    return "\n".join(lines)
+
+
+CLAIMS = (("sft-inline", "sft-env_only", "the harness helps SFT (BPE-SFT above ReAct-SFT)"),
+          ("grpo-inline", "sft-inline", "GRPO improves on its SFT model"))
+
+
+def claims(results: dict) -> str:
+    """Each claim the table supports or not, with its test: one-sided Fisher exact, per split."""
+    from evoharness.evaluate import fisher_greater
+
+    lines = ["| claim | split | wins | p (one-sided Fisher exact) |", "|---|---|---|---|"]
+    for a, b, what in CLAIMS:
+        if a not in results or b not in results:
+            continue
+        for split in ("valid_seen", "valid_unseen"):
+            x, y = results[a].get(split, {}).get("all"), results[b].get(split, {}).get("all")
+            if not x or not y:
+                continue
+            p = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"])
+            lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {p:.4f} |")
     return "\n".join(lines)
 
 
@@ -88,7 +115,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
                 results[label][split] = r["summary"]
                 echo(format_table(f"{label} {split}", r["summary"]))
             (out / label / "results.json").write_text(json.dumps({**results[label], "model_digest": digests[label]}, indent=2))
-    table = comparison_table(results)
+    table = comparison_table(results) + "\n\n" + claims(results)
     (out / "comparison.md").write_text(table + "\n")
     echo(table)
     return {label: {split: {"success": s["all"]["success"], **{f: s[f]["success"] for f in FAMILIES.values() if f in s}} for split, s in sp.items()} for label, sp in results.items()}

@@ -31,6 +31,14 @@ def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (round(max(0.0, mid - half), 4), round(min(1.0, mid + half), 4))
 
 
+def fisher_greater(w1: int, n1: int, w2: int, n2: int) -> float:
+    """One-sided Fisher exact p-value that the first success rate is greater than the second."""
+    k, n, m = w1 + w2, n1 + n2, n1  # wins in all, games in all, games of the first
+    def hyper(x: int) -> float:
+        return math.comb(m, x) * math.comb(n - m, k - x) / math.comb(n, k)
+    return min(1.0, sum(hyper(x) for x in range(w1, min(k, m) + 1)))
+
+
 def summarize(records: list[dict]) -> dict:
     """Per family and overall: episodes, wins, success (an errored episode counts as a failure: a
     model whose episodes crash must not score higher) with its 95 % Wilson interval, mean steps,

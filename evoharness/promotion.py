@@ -152,7 +152,7 @@ def conditions_of(result: dict, records: list[dict], games_md5: str) -> dict:
     cfg = result.get("episode_config") or {}
     h = cfg.get("harness") or {}
     fp = str(result.get("policy_fingerprint", ""))
-    parts = fp.split(":")  # hf:v2:<weights>:<sample>:<temperature>:<max_new_tokens>:<decoding>[:<backend>]
+    parts = fp.split(":")  # hf:v3:<weights>:<sample>:<temperature>:<max_new_tokens>:<decoding>[:<backend>]
     ids = sorted({r["game_id"] for r in records})
     return {
         "games": hashlib.sha256((games_md5 + "|" + "|".join(ids)).encode()).hexdigest()[:16],

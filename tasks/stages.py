@@ -174,13 +174,13 @@ def stage_markdown(res: stagerun.StageResult, metrics: dict | None) -> str:
     return "\n".join(lines)
 
 
-@task(name="dvc-stage", cache_policy=NO_CACHE)
+@task(name="dvc-stage", task_run_name="{stage}", cache_policy=NO_CACHE)
 def run_stage(root: str, stage: str) -> stagerun.StageResult:
     """Run the stage here (``dvc repro --single-item``); DVC skips it when nothing changed."""
     return stagerun.run_here(Path(root), stage)
 
 
-@task(name="validation-gate", cache_policy=NO_CACHE)
+@task(name="validation-gate", task_run_name="{stage} (Great Expectations gate)", cache_policy=NO_CACHE)
 def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
     """The Great Expectations gate: on failure the flow stops with a readable report artifact (the
     data is already quarantined by the stage, with its report beside it)."""
@@ -289,7 +289,7 @@ def watch_job(flow_run_id, stage: str, pool: str, poll_s: float = 5.0, log=None)
             time.sleep(poll_s)
 
 
-@task(name="dispatch-stage", cache_policy=NO_CACHE)
+@task(name="dispatch-stage", task_run_name="{stage} on pool {pool}", cache_policy=NO_CACHE)
 def dispatch_stage(root: str, stage: str, deployment: str, pool: str, poll_s: float = 5.0) -> stagerun.StageResult:
     """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash."""
     from prefect.deployments import run_deployment

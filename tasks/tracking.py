@@ -52,7 +52,7 @@ def start_parent(root: str, params_path: str, profile: str, pool: str | None, fl
     return run.info.run_id
 
 
-@task(name="mlflow-log-stage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+@task(name="mlflow-log-stage", task_run_name="mlflow: {res.stage}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
 def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
     """A child run for one stage: hashes of its inputs and outputs as tags, its metrics, its time."""
     c = tracking.client(Path(root))

@@ -132,6 +132,15 @@ def _wait_port(port: int, proc, what: str, log: Path, timeout: float = 60) -> No
         time.sleep(0.2)
 
 
+def _serve(cmd: list[str], port: int, what: str, log: Path):
+    """Start a server for the session (its own process group) and wait until it accepts connections."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    _wait_port(port, proc, what, log)
+    return proc
+
+
 def _stop(proc) -> None:
     import signal
 
@@ -172,7 +181,6 @@ class WebDAV:
 @pytest.fixture(scope="session")
 def webdav(hosts_dir):
     import secrets
-    import subprocess
     import sys
 
     import yaml
@@ -187,10 +195,7 @@ def webdav(hosts_dir):
         "http_authenticator": {"domain_controller": None, "accept_basic": True, "accept_digest": False, "default_to_digest": False},
         "simple_dc": {"user_mapping": {"*": {user: {"password": password}}}},
     }))
-    log = hosts_dir / "dav.log"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "wsgidav"), "--config", str(cfg)], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_port(port, proc, "WebDAV server", log)
+    proc = _serve([str(Path(sys.executable).parent / "wsgidav"), "--config", str(cfg)], port, "WebDAV server", hosts_dir / "dav.log")
     yield WebDAV(root, port, user, password)
     _stop(proc)
 
@@ -211,16 +216,12 @@ class GitServer:
 
 @pytest.fixture(scope="session")
 def git_server(hosts_dir):
-    import subprocess
 
     base = hosts_dir / "git"
     base.mkdir()
     port = _free_port()
-    log = hosts_dir / "git-daemon.log"
-    proc = subprocess.Popen(["git", "daemon", "--reuseaddr", f"--base-path={base}", "--export-all", "--enable=receive-pack",
-                             "--listen=127.0.0.1", f"--port={port}", str(base)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    _wait_port(port, proc, "git daemon", log)
+    proc = _serve(["git", "daemon", "--reuseaddr", f"--base-path={base}", "--export-all", "--enable=receive-pack", "--listen=127.0.0.1",
+                   f"--port={port}", str(base)], port, "git daemon", hosts_dir / "git-daemon.log")
     yield GitServer(base, port)
     _stop(proc)
 

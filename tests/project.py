@@ -43,28 +43,8 @@ MICRO = {
 }
 
 
-def make_project(base: Path, params: dict | None = None, remote: Path | None = None) -> Path:
-    repo = Path(base) / "repo"
-    repo.mkdir(parents=True)
-    for d in ("evoharness", "flows", "tasks", "configs"):
-        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__"))
-    for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml", "constraints.txt"):
-        shutil.copy(ROOT / f, repo / f)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params or MICRO, sort_keys=False))
-    git(["init", "-q", "-b", "main"], repo)
-    git(["config", "user.email", "t@example.com"], repo)
-    git(["config", "user.name", "t"], repo)
-    dvc(["init", "-q"], repo)
-    dvc(["config", "core.autostage", "true"], repo)
-    ensure_remote(repo, str(remote or (Path(base) / "remote")))
-    git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "pipeline"], repo)
-    return repo
-
-
-def make_shared_project(base: Path, params: dict, origin: str, remote_url: str, user: str, password: str) -> Path:
-    """A project as a team keeps it: code pushed to a git origin, the default DVC remote a network
-    one named in the committed .dvc/config, its credentials only in this machine's config.local."""
+def _new_repo(base: Path, params: dict) -> Path:
+    """The project's code and config in ``base/repo``, as a fresh git + DVC repository."""
     repo = Path(base) / "repo"
     repo.mkdir(parents=True)
     for d in ("evoharness", "flows", "tasks", "configs"):
@@ -77,6 +57,21 @@ def make_shared_project(base: Path, params: dict, origin: str, remote_url: str, 
     git(["config", "user.name", "t"], repo)
     dvc(["init", "-q"], repo)
     dvc(["config", "core.autostage", "true"], repo)
+    return repo
+
+
+def make_project(base: Path, params: dict | None = None, remote: Path | None = None) -> Path:
+    repo = _new_repo(base, params or MICRO)
+    ensure_remote(repo, str(remote or (Path(base) / "remote")))
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "pipeline"], repo)
+    return repo
+
+
+def make_shared_project(base: Path, params: dict, origin: str, remote_url: str, user: str, password: str) -> Path:
+    """A project as a team keeps it: code pushed to a git origin, the default DVC remote a network
+    one named in the committed .dvc/config, its credentials only in this machine's config.local."""
+    repo = _new_repo(base, params)
     dvc(["remote", "add", "-d", "storage", remote_url], repo)
     dvc(["remote", "modify", "--local", "storage", "user", user], repo)
     dvc(["remote", "modify", "--local", "storage", "password", password], repo)

@@ -38,6 +38,12 @@ class Sample:
     constraint: tuple | None = None  # (admissible, verbs) it was decoded under, when a rollout records it
 
 
+def constraint_spec(view) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """What a turn's decoding constraint depends on: the admissible commands, the enabled verbs, the
+    action of the turn before. The sampler and the trainer (which replays it) both take it from here."""
+    return tuple(view.admissible), tuple(view.verbs), (view.last_actions[-1] if view.last_actions else "")
+
+
 def stop_ids(tok) -> list[int]:
     """End of turn, and ``</action>`` when the tokenizer has it as one token: nothing after the
     action is parsed, so generating past it only costs time (and can break the one-tag format)."""
@@ -103,7 +109,7 @@ class Batcher:
     # -- the Sampler interface -------------------------------------------------------------
     def __call__(self, prompt: str, seed: int | None = None, view=None):
         ids = self.tok(render(self.tok, prompt), add_special_tokens=False)["input_ids"]
-        c = self._constraint(tuple(view.admissible), tuple(view.verbs)) if (self.constrained and view is not None) else None
+        c = self._constraint(*constraint_spec(view)) if (self.constrained and view is not None) else None
         req = _Request(list(ids), c, seed)
         with self._cv:
             req.key = self._members.get(threading.get_ident())
@@ -129,9 +135,9 @@ class Batcher:
             raise req.error
         return req.result
 
-    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...]):
+    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
         """What a row's decoding is constrained by (None: free), in the backend's terms."""
-        c = ActionConstraint(self.tok, admissible, verbs, self.max_new_tokens)
+        c = ActionConstraint(self.tok, admissible, verbs, self.max_new_tokens, after)
         return c if c.active else None
 
     def _collect(self) -> list[_Request]:
@@ -274,8 +280,9 @@ class VLLMGenerator(Batcher):
         super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
         self.llm = llm
 
-    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...]):
-        return action_regex(admissible, verbs)
+    def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
+        repeat = after.split(" ", 1)[0] if after else ""
+        return action_regex(admissible, tuple(v for v in verbs if v != repeat))
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams

@@ -54,9 +54,13 @@ class Trie:
 
 
 class ActionConstraint:
-    """``allowed(generated)``: the token ids allowed after the response's ``generated`` ids."""
+    """``allowed(generated)``: the token ids allowed after the response's ``generated`` ids.
 
-    def __init__(self, tok, admissible: tuple[str, ...], verbs: tuple[str, ...], budget: int = 1 << 30):
+    ``after`` is the action of the turn before: a meta-verb may not follow itself (its answer is on
+    screen; asking again is the spam the reward penalises, and the teacher never does it), so a
+    greedy policy cannot loop on ``track X; track X; ...``."""
+
+    def __init__(self, tok, admissible: tuple[str, ...], verbs: tuple[str, ...], budget: int = 1 << 30, after: str = ""):
         self.tags = _tags(tok)
         self.budget = budget  # max new tokens: the think is closed early enough to leave room for an action
         self.vocab = len(tok)
@@ -71,9 +75,10 @@ class ActionConstraint:
             if ids and unk not in ids:  # a command with a word the tokenizer lacks cannot be written
                 self.trie.add(ids)
                 self.longest = max(self.longest, len(ids))
+        repeat = after.split(" ", 1)[0] if after else ""
         for v in verbs:
             ids = tok(v, add_special_tokens=False)["input_ids"]
-            if len(ids) == 1 and ids[0] != unk:
+            if len(ids) == 1 and ids[0] != unk and v != repeat:
                 self.verb_ids.add(ids[0])
         self.free = [i for i in range(self.vocab) if i not in self.tags.banned]
 
@@ -108,10 +113,10 @@ class ActionConstraint:
         return out or [t.end_action]
 
 
-def prefix_fn(tok, admissible, verbs, prompt_len: int, budget: int = 1 << 30):
+def prefix_fn(tok, admissible, verbs, prompt_len: int, budget: int = 1 << 30, after: str = ""):
     """A ``prefix_allowed_tokens_fn`` for ``model.generate`` (one sequence), or None when the
     tokenizer has no tags to constrain with."""
-    c = ActionConstraint(tok, tuple(admissible), tuple(verbs), budget)
+    c = ActionConstraint(tok, tuple(admissible), tuple(verbs), budget, after)
     if not c.active:
         return None
 

@@ -58,7 +58,10 @@ class Sampler:
         if self.constrained and view is not None:
             from evoharness.policies.constrain import prefix_fn
 
-            fn = prefix_fn(self.tok, view.admissible, view.verbs, ids["input_ids"].shape[1], self.max_new_tokens)
+            from evoharness.policies.batched import constraint_spec
+
+            adm, verbs, after = constraint_spec(view)
+            fn = prefix_fn(self.tok, adm, verbs, ids["input_ids"].shape[1], self.max_new_tokens, after)
             if fn is not None:
                 kwargs["prefix_allowed_tokens_fn"] = fn
         if self.sample:
@@ -127,7 +130,7 @@ class HFPolicy:
     def fingerprint(self) -> str:
         decoding = "constrained" if self.constrained else "free"
         backend = "" if self.backend == "hf" else f":{self.backend}"  # the same weights and decoding on another engine
-        return f"hf:v2:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}{backend}"
+        return f"hf:v3:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}{backend}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0

@@ -143,3 +143,21 @@ def merge_lora(base: Path, adapter: Path, out: Path, dtype: str = "float32") -> 
         f.unlink()
     merged.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter if (Path(adapter) / "tokenizer_config.json").exists() else base).save_pretrained(out)
+
+
+def load_for_training(path: Path, dtype: str, lora: bool, r: int, alpha: int):
+    """The model a trainer starts from, and its LoRA config: (model, whether ZeRO-3 partitioned it as
+    it loaded, peft_config or None). Called after the training arguments exist, so that under ZeRO-3
+    zero.Init applies while the weights load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from evoharness.training.distributed import partitioned
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    return model, partitioned(model), peft_config

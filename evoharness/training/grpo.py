@@ -33,6 +33,7 @@ from evoharness.harness.consolidate import consolidate
 from evoharness.harness.experience import Experience
 from evoharness.harness.workspace import META_VERBS, HarnessConfig
 from evoharness.reward import RewardConfig, diversity_weight
+from evoharness.policies.batched import constraint_spec
 from evoharness.training.profiles import Profile, rows_per_step
 
 
@@ -53,7 +54,7 @@ class RecordingPolicy:
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         s = self.sampler(prompt, seed=self.seed * 1000 + len(self.turns), view=view)
-        s.constraint = (tuple(view.admissible), tuple(view.verbs))  # what the trainer re-applies to score it
+        s.constraint = constraint_spec(view)  # what the trainer re-applies to score it
         self.turns.append(s)
         return s.text
 
@@ -241,8 +242,8 @@ def constraint_masks(tok, completions: list[list[int]], specs: list, budget: int
     for i, (comp, spec) in enumerate(zip(completions, specs)):
         if spec is None:
             continue
-        key = (tuple(spec[0]), tuple(spec[1]))
-        c = cache.get(key) or cache.setdefault(key, ActionConstraint(tok, key[0], key[1], budget))
+        key = (tuple(spec[0]), tuple(spec[1]), spec[2] if len(spec) > 2 else "")
+        c = cache.get(key) or cache.setdefault(key, ActionConstraint(tok, key[0], key[1], budget, key[2]))
         if not c.active:
             continue
         for j in range(min(len(comp), width)):
@@ -355,11 +356,11 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     switch a module off, plain GRPO uses env_only)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from evoharness.training import distributed as dist
-    from evoharness.training.checkpoint import check_checkpoint, weights_digest
+    from evoharness.training.checkpoint import check_checkpoint, load_for_training, weights_digest
     from evoharness.training.sft import checkpoint_key, file_digest, keyed_checkpoints, last_checkpoint, save_trained
 
     g = profile.grpo
@@ -442,14 +443,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
                                          if x.strip() and json.loads(x)["update"] < int(Path(resume).name.split("-")[-1])]
         running_curve.write_text("".join(x + "\n" for x in kept))
     tok = AutoTokenizer.from_pretrained(sft_dir)
-    # After the arguments: under ZeRO-3 the weights are partitioned as they load (zero.Init).
-    model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=getattr(torch, profile.base.dtype))
-    loaded_partitioned = dist.partitioned(model)
-    peft_config = None
-    if g.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=g.lora_r, lora_alpha=g.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, loaded_partitioned, peft_config = load_for_training(sft_dir, profile.base.dtype, g.lora, g.lora_r, g.lora_alpha)
     with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
         rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, running_curve, banks if main else None, harness)
         Trainer = _constrained_trainer_class() if (profile.decoding == "constrained" and profile.generation == "hf") else GRPOTrainer

@@ -91,11 +91,11 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     survives a kill: the next run resumes from its last checkpoint. Wall-clock figures go to
     ``timing``, outside any hashed output. Returns the metrics (the same on every process)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from evoharness.training import distributed as dist
-    from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint, weights_digest
+    from evoharness.training.checkpoint import check_checkpoint, load_for_training, resolve_checkpoint, weights_digest
 
     s = profile.sft
     root = Path(root or Path.cwd())
@@ -139,14 +139,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         keyed_checkpoints(ckroot, **key_parts)
     dist.wait_for_everyone()
     tok = AutoTokenizer.from_pretrained(base_dir)
-    # After the arguments: under ZeRO-3 the weights are partitioned as they load (zero.Init).
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, profile.base.dtype))
-    loaded_partitioned = dist.partitioned(model)
-    peft_config = None
-    if s.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, loaded_partitioned, peft_config = load_for_training(base_dir, profile.base.dtype, s.lora, s.lora_r, s.lora_alpha)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=to_dataset(train_df, tok),
                          eval_dataset=to_dataset(val_df, tok) if len(val_df) else None, processing_class=tok, peft_config=peft_config)
     resume = last_checkpoint(ckpts)
