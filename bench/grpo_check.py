@@ -9,7 +9,7 @@ at least 30 points from the first window to the last while the control's stays w
 standard errors of the difference of two window means).
 
     .venv/bin/python bench/grpo_check.py [--games data/games] [--sft data/models/sft-inline] [--bank data/demos/experience.json]
-                                         [--n-games 4] [--rollouts 4] [--updates 30] [--window 5] [--lr 2e-4] [--out bench/results/grpo_check]
+                                         [--n-games 4] [--rollouts 4] [--updates 30] [--window 5] [--lr 2e-4] [--out bench/results/grpo_check] [--fresh]
 
 Prints the table and the verdict; writes the curves (JSON) and a plot (PNG) under --out.
 """
@@ -39,18 +39,24 @@ def pick_games(games_root: Path, sft: Path, bank: Path, n: int, rollouts: int, p
                       constrained=profile.decoding == "constrained")
     cfg = params.episode.model_copy(update={"max_steps": profile.grpo.max_steps_per_episode,
                                             "harness": params.episode.harness.model_copy(update={"charge_meta_actions": profile.grpo.charge_meta_actions})})
-    r = evaluate(games, spec, cfg, list(range(rollouts)), out / "selection", profile.episode_workers, Experience.load(bank))
     from evoharness.rollout import read_jsonl
 
-    recs, _ = read_jsonl(out / "selection" / "episodes.jsonl")
+    sel = out / "selection" / "episodes.jsonl"
+    recs, _ = read_jsonl(sel) if sel.exists() else ([], None)
+    if len(recs) == len(games) * rollouts:  # a finished selection with these arguments is reused (--fresh to replay it)
+        print(f"selection reused: {sel}", flush=True)
+    else:
+        evaluate(games, spec, cfg, list(range(rollouts)), out / "selection", profile.episode_workers, Experience.load(bank))
+        recs, _ = read_jsonl(sel)
     wins: dict[str, list[int]] = {}
     for x in recs:
         wins.setdefault(x["game_id"], []).append(int(bool(x["outcome"]["won"])))
+    overall = sum(sum(w) for w in wins.values()) / max(1, sum(len(w) for w in wins.values()))
     rows = sorted(({"game": g, "wins": sum(w), "played": len(w)} for g, w in wins.items()), key=lambda d: (abs(d["wins"] / d["played"] - 0.5), d["game"]))
     some = [d for d in rows if 0 < d["wins"] < d["played"]]
     if len(some) < n:
         raise SystemExit(f"error: only {len(some)} training games where the SFT model wins some rollouts but not all (need {n}); "
-                         f"overall success {r['summary']['all']['success']:.1%}")
+                         f"overall success {overall:.1%}")
     return some[:n]
 
 
@@ -61,6 +67,10 @@ def run(label: str, lr: float, ids: list[str], args, profile, params, out: Path)
                                         "scheduler": "constant", "save_steps": 10_000, "micro_batch": 0})
     prof = profile.model_copy(update={"grpo": g})
     curve = out / f"{label}.jsonl"
+    done = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()] if curve.exists() else []
+    if len(done) == args.updates:  # a finished run with these arguments is reused (--fresh to run it again)
+        print(f"{label}: reused {curve}", flush=True)
+        return done
     t0 = time.time()
     train_grpo(args.games, args.sft, args.bank, out / label, prof, params.episode.reward.model_copy(update={"updates": args.updates}), params.seed,
                params.workers, args.updates, out / f"{label}-checkpoints", curve, None, order=ids * args.updates)
@@ -92,7 +102,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_check"))
+    ap.add_argument("--fresh", action="store_true", help="replay the selection and both runs even where --out holds finished ones")
     args = ap.parse_args()
+    if args.fresh and args.out.exists():
+        import shutil
+
+        shutil.rmtree(args.out)
     from evoharness.config import load_params
     from evoharness.training.profiles import load_profile
 
