@@ -259,12 +259,13 @@ def reproduce(
     keep: bool = typer.Option(False, help="keep the scratch worktree"),
     setup: bool = typer.Option(True, "--setup/--no-setup", help="build the record's environment when this one differs from its "
                                "constraints.txt (else refuse)"),
+    stage: list[str] = typer.Option(None, "--stage", help="re-run only this recorded stage (repeatable); default: every stage"),
 ):
     """Re-run every stage of a recorded run on its recorded inputs and compare every output's hash."""
     from evoharness.reproduce import METRIC_TOLERANCE
     from evoharness.reproduce import reproduce as run_reproduce
 
-    rows = run_reproduce(ref, Path.cwd(), echo=typer.echo, keep=keep, setup=setup)
+    rows = run_reproduce(ref, Path.cwd(), echo=typer.echo, keep=keep, setup=setup, stages=stage or None)
     bad = [r for r in rows if not r["match"] and (r.get("metric_diff") is None or r["metric_diff"] > METRIC_TOLERANCE)]
     if bad:
         raise EvoError(f"{len(bad)} of {len(rows)} outputs did not reproduce: " + ", ".join(f"{r['stage']}:{r['path']}" for r in bad))

@@ -183,10 +183,12 @@ def _numbers(path: Path) -> dict[str, float]:
     return {k: float(v) for k, v in flatten(data).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool = True) -> list[dict]:
+def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool = True,
+              stages: list[str] | None = None) -> list[dict]:
     """Reproduce a record here (see the module's docstring). One row per recorded output: stage, path,
     recorded and reproduced md5, and whether they match (or, for a metrics file that is not identical,
-    the largest difference among its numbers)."""
+    the largest difference among its numbers). ``stages`` re-runs only those (each still on its
+    recorded inputs); every recorded output is pulled either way."""
     import yaml
 
     root = repo_root(root)
@@ -219,8 +221,14 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
         except EvoError as e:
             raise EvoError(f"cannot pull the data {commit[:12]} recorded: {e}") from None
         echo(f"pulled every recorded output of {len(order)} stages")
+        chosen = order
+        if stages:
+            unknown = [x for x in stages if x not in order]
+            if unknown:
+                raise EvoError(f"commit {commit[:12]} recorded no stage {', '.join(unknown)}; its stages: {', '.join(order)}")
+            chosen = [x for x in order if x in stages]
         rows = []
-        for stage in order:
+        for stage in chosen:
             t = time.time()
             lock.write_text(recorded_text)  # the recorded inputs, whatever earlier stages reproduced
             dvc(["checkout", "--force", *order], work, python)

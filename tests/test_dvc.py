@@ -85,6 +85,11 @@ def test_reproduce_by_hash_reports_identical_hashes(repo):
     assert {r["path"] for r in rows} >= {"data/games", "data/demos", "data/pairs", "data/baselines", "data/metrics/validation.json"}
     assert all(r["match"] for r in rows), [r for r in rows if not r["match"]]
     assert any("yes" in ln for ln in lines) and git(["worktree", "list"], repo).count("\n") == 0
+    # One stage alone, on its recorded inputs; a stage the record does not hold is named with the ones it does.
+    rows = reproduce("HEAD", repo, echo=lines.append, stages=["pairs"])
+    assert {r["stage"] for r in rows} == {"pairs"} and "data/pairs" in {r["path"] for r in rows} and all(r["match"] for r in rows), rows
+    with pytest.raises(EvoError, match=r"recorded no stage sft_inline; its stages: games, demos, pairs"):
+        reproduce("HEAD", repo, echo=lines.append, stages=["sft_inline"])
     # This environment is the one the commit's constraints.txt pins; another pin is refused in one line.
     (repo / "constraints.txt").write_text((repo / "constraints.txt").read_text().replace("mlflow==", "mlflow==0.0.1\n# was mlflow=="))
     git(["commit", "-qam", "an environment this machine does not have"], repo)
