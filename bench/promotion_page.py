@@ -3,7 +3,7 @@
 PNG. The page is the version's description, which the promotion gate writes: the decision, each check
 with its value and threshold, the per-family table beside the champion's, the annealing plot.
 
-    .venv/bin/python bench/promotion_page.py [--store sqlite:///mlflow.db] [--model NAME] [--version N] [--out docs/promotion-page.png]
+    .venv/bin/python bench/promotion_page.py [--store sqlite:///mlflow.db] [--model NAME] [--version N] [--out docs/promotion-page.png] [--width 1900] [--height 1700]
 
 Needs Debian's chromium (`apt-get install chromium`); prints where the page and the picture are.
 """
@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="registered model (default: the newest evoharness-agent-*)")
     ap.add_argument("--version", default=None, help="model version (default: the newest)")
     ap.add_argument("--out", type=Path, default=Path("docs/promotion-page.png"))
-    ap.add_argument("--height", type=int, default=2200)
+    ap.add_argument("--height", type=int, default=1700)
+    ap.add_argument("--width", type=int, default=1900)
     args = ap.parse_args()
     from mlflow import MlflowClient
 
@@ -62,7 +63,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         profile = tempfile.mkdtemp()
         cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}", f"--window-size=1400,{args.height}",
+               "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}", f"--window-size={args.width},{args.height}",
                "--virtual-time-budget=20000", "--hide-scrollbars", f"--screenshot={args.out.resolve()}", url]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         if r.returncode or not args.out.exists():
