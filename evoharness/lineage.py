@@ -260,7 +260,7 @@ def _alive(pid: int) -> bool:
 
 
 def unlock(root: Path) -> list[int]:
-    """Drop lock entries whose process is dead; live ones are kept."""
+    """Drop lock entries whose process is dead; live ones are kept. Returns the dead processes, each once."""
     rw = Path(root) / ".dvc" / "tmp" / "rwlock"
     if not rw.exists():
         return []
@@ -283,7 +283,7 @@ def unlock(root: Path) -> list[int]:
             else:
                 entries[path] = live if isinstance(info, list) else live[0]
     rw.write_text(json.dumps(data))
-    return removed
+    return sorted(set(removed))  # one entry per locked path: a process is named once
 
 
 def ensure_remote(root: Path, url: str | None = None) -> str:

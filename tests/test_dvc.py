@@ -153,10 +153,11 @@ def test_stale_lock_is_named_and_cleared(repo):
     proc.wait()
     lock = repo / ".dvc" / "tmp" / "rwlock"
     lock.parent.mkdir(exist_ok=True)
-    lock.write_text(json.dumps({"read": {}, "write": {str(repo / "data" / "pairs"): {"pid": proc.pid, "cmd": "dvc repro"}}}))
+    held = {"pid": proc.pid, "cmd": "dvc repro"}  # a dead `dvc repro` holds every path it wrote and read
+    lock.write_text(json.dumps({"read": {str(repo / "data" / "demos"): [held]}, "write": {str(repo / "data" / "pairs"): held}}))
     with pytest.raises(EvoError, match=rf"stale DVC lock .*rwlock: process {proc.pid} \('dvc repro'\) died"):
         dvc(["status", *DATA], repo)
-    assert unlock(repo) == [proc.pid]
+    assert unlock(repo) == [proc.pid]  # named once
     assert str(proc.pid) not in lock.read_text()
     dvc(["status", *DATA], repo)  # raises if the lock still blocks
 
