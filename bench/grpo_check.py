@@ -102,18 +102,32 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_check"))
-    ap.add_argument("--fresh", action="store_true", help="replay the selection and both runs even where --out holds finished ones")
+    ap.add_argument("--fresh", action="store_true", help="remove the check's own files under --out and run it all again")
     args = ap.parse_args()
-    if args.fresh and args.out.exists():
+    from evoharness.training.checkpoint import weights_digest
+    from evoharness.training.sft import file_digest
+
+    # What the check's finished parts depend on: reused only when these are the same (else refused,
+    # unless --fresh, which removes the check's own files and nothing else under --out).
+    inputs = {"sft": weights_digest(args.sft), "bank": file_digest(args.bank), "games": str(args.games), "params": file_digest(Path(args.params)),
+              **{k: getattr(args, k) for k in ("n_games", "rollouts", "updates", "lr")}}
+    stamp = args.out / "inputs.json"
+    own = [args.out / x for x in ("selection", "grpo", "control", "grpo-checkpoints", "control-checkpoints", "grpo.jsonl", "control.jsonl",
+                                  "result.json", "grpo_check.png", "inputs.json")]
+    if args.fresh:
         import shutil
 
-        shutil.rmtree(args.out)
+        for x in own:
+            shutil.rmtree(x) if x.is_dir() else x.unlink(missing_ok=True)
+    elif any(x.exists() for x in own) and (not stamp.exists() or json.loads(stamp.read_text()) != inputs):
+        raise SystemExit(f"error: {args.out} holds a GRPO check of other inputs (or of unrecorded ones); pass --fresh to replace it, or another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(inputs, indent=1))
     from evoharness.config import load_params
     from evoharness.training.profiles import load_profile
 
     params = load_params(args.params)
     profile = load_profile("tiny-cpu", args.params)
-    args.out.mkdir(parents=True, exist_ok=True)
     chosen = pick_games(args.games, args.sft, args.bank, args.n_games, args.rollouts, profile, params, args.out)
     ids = [d["game"] for d in chosen]
     print("games:", ", ".join(f"{d['game']} ({d['wins']}/{d['played']})" for d in chosen), flush=True)
