@@ -44,6 +44,16 @@ ROWS = (
 )
 
 
+# What the paper's table claims, each tested on this table's games (one-sided Fisher exact, per split).
+CLAIMS = (
+    ("SFT-inline", "frozen harness (always_on)", "choosing when to call the harness beats its panels every turn"),
+    ("frozen harness (always_on)", "ReAct-SFT", "the frozen harness beats no harness"),
+    ("cost-aware GRPO (EvoHarness-RL)", "plain GRPO (success only, env_only)", "cost-aware GRPO beats plain GRPO"),
+    ("plain GRPO (success only, env_only)", "ReAct-SFT", "plain GRPO beats ReAct-SFT"),
+    *((("cost-aware GRPO (EvoHarness-RL)", f"cost-aware GRPO without {m}", f"{m} helps")) for m in ("Belief", "Progress", "Experience")),
+)
+
+
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label.lower()).strip("-").replace("--", "-")
 
@@ -86,7 +96,9 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
                              b if row.mode != "env_only" else None, pool=pool)
                 results[row.label][split] = r["summary"]
             echo(f"{row.label}: seen {results[row.label]['valid_seen']['all']['success']:.1%}, unseen {results[row.label]['valid_unseen']['all']['success']:.1%}")
-    table = ablation_table(results)
+    from evoharness.compare import claims
+
+    table = ablation_table(results) + "\n\n" + claims(results, CLAIMS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -62,12 +62,13 @@ CLAIMS = (("sft-inline", "sft-env_only", "the harness helps SFT (BPE-SFT above R
           ("grpo-inline", "sft-inline", "GRPO improves on its SFT model"))
 
 
-def claims(results: dict) -> str:
-    """Each claim the table supports or not, with its test: one-sided Fisher exact, per split."""
+def claims(results: dict, which: tuple = CLAIMS) -> str:
+    """Each claim (``a`` beats ``b``) the table supports or not, with its test: one-sided Fisher
+    exact on wins out of episodes, per split; a claim whose models were not both evaluated is left out."""
     from evoharness.evaluate import fisher_greater
 
     lines = ["| claim | split | wins | p (one-sided Fisher exact) |", "|---|---|---|---|"]
-    for a, b, what in CLAIMS:
+    for a, b, what in which:
         if a not in results or b not in results:
             continue
         for split in ("valid_seen", "valid_unseen"):

@@ -38,3 +38,18 @@ def test_claims_name_their_test_and_the_table_carries_intervals():
     assert "**51.7** [39, 64] | 30.0 / 40.0 |" in comparison_table(results)
     del results["sft-env_only"]  # a claim whose models were not evaluated is left out, not reported as p = 1
     assert "sft-env_only" not in claims(results)
+
+
+def test_ablation_table_names_each_claim_of_the_paper_with_its_test():
+    from evoharness.ablation import CLAIMS, ROWS, ablation_table
+
+    seen = {"ReAct-SFT": 11, "frozen harness (always_on)": 14, "SFT-inline": 31, "plain GRPO (success only, env_only)": 13,
+            "cost-aware GRPO (EvoHarness-RL)": 34, "cost-aware GRPO without Belief": 4, "cost-aware GRPO without Progress": 1,
+            "cost-aware GRPO without Experience": 10}
+    assert set(seen) == {r.label for r in ROWS}
+    results = {k: {"valid_seen": _split(w), "valid_unseen": _split(max(0, w - 8))} for k, w in seen.items()}
+    text = claims(results, CLAIMS)
+    assert len(CLAIMS) == 7 and text.count("\n") == 1 + 2 * len(CLAIMS)
+    assert "| choosing when to call the harness beats its panels every turn: SFT-inline > frozen harness (always_on) | valid_seen | 31/60 vs 14/60 | 0.0012 |" in text
+    assert "| Progress helps: cost-aware GRPO (EvoHarness-RL) > cost-aware GRPO without Progress | valid_seen | 34/60 vs 1/60 | 0.0000 |" in text
+    assert "**" not in ablation_table(results) and "31.0" not in ablation_table(results) and "51.7 [39, 64]" in ablation_table(results)
