@@ -64,7 +64,7 @@ def run(label: str, lr: float, ids: list[str], args, profile, params, out: Path)
     from evoharness.training.grpo import train_grpo
 
     g = profile.grpo.model_copy(update={"games_per_step": len(ids), "rollouts": args.rollouts, "steps": args.updates, "learning_rate": lr,
-                                        "scheduler": "constant", "save_steps": 10_000, "micro_batch": 0})
+                                        "temperature": 1.0, "scheduler": "constant", "save_steps": 10_000, "micro_batch": 0})
     prof = profile.model_copy(update={"grpo": g})
     curve = out / f"{label}.jsonl"
     done = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()] if curve.exists() else []
