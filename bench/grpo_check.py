@@ -106,8 +106,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_check"))
     ap.add_argument("--target", type=float, default=0.25, help="the SFT win rate (from the selection's rollouts) the chosen games are closest to")
-    ap.add_argument("--fresh", action="store_true", help="remove the check's own files under --out and run it all again")
-    ap.add_argument("--rerun", action="store_true", help="keep a selection of the same inputs, run GRPO and the control again")
+    again = ap.add_mutually_exclusive_group()
+    again.add_argument("--fresh", action="store_true", help="remove the check's own files under --out and run it all again")
+    again.add_argument("--rerun", action="store_true", help="keep a selection of the same inputs, run GRPO and the control again")
     args = ap.parse_args()
     from evoharness.training.checkpoint import weights_digest
     from evoharness.training.sft import file_digest
@@ -127,7 +128,7 @@ def main() -> None:
 
         if args.rerun and not same["selection"]:
             raise SystemExit(f"error: {args.out} holds no selection of these inputs (SFT weights, bank, games, params, rollouts) to keep; pass --fresh")
-        for x in own[1:] if args.rerun else own:
+        for x in [x for x in own if not (args.rerun and x.name in ("selection", "inputs.json"))]:
             shutil.rmtree(x) if x.is_dir() else x.unlink(missing_ok=True)
     elif any(x.exists() for x in own) and not all(same.values()):
         part = "selection" if not same["selection"] else "runs"

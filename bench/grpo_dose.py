@@ -44,6 +44,8 @@ def main() -> None:
     from evoharness.training.profiles import load_profile
 
     stops = [int(x) for x in args.stops.split(",")]
+    if stops != sorted(set(stops)) or stops[0] < 1:
+        raise SystemExit(f"error: --stops {args.stops!r} must be positive update counts in ascending order (each resumes the last)")
     p, prof = load_params("params.yaml"), load_profile("tiny-cpu", "params.yaml")
     g = prof.grpo.model_copy(update={"learning_rate": args.lr, "save_steps": stops[0], **json.loads(args.set)})
     prof = prof.model_copy(update={"grpo": g})
@@ -56,9 +58,9 @@ def main() -> None:
                        p.episode.reward.model_copy(update={"updates": max(stops)}), p.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
         t1 = time.time()
         cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": "inline", "charge_meta_actions": False}),
-                                           "max_steps": prof.eval_max_steps, "max_turns": prof.eval_max_turns})
-        spec = PolicySpec(kind="hf", path=str(out), max_new_tokens=prof.grpo.max_new_tokens, constrained=True, backend="hf", device="cpu",
-                          dtype=prof.base.dtype)
+                                           "max_steps": prof.eval_max_steps or p.episode.max_steps, "max_turns": prof.eval_max_turns})
+        spec = PolicySpec(kind="hf", path=str(out), max_new_tokens=prof.grpo.max_new_tokens, constrained=prof.decoding == "constrained",
+                          backend=prof.generation, device=prof.device, dtype=prof.base.dtype)  # as compare.compare builds it
         with EnvPool(prof.episode_workers) as pool:
             for split in args.splits.split(","):
                 games = per_family(list_games(Path("data/games"), split), prof.eval_games_per_family)
