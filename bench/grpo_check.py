@@ -54,6 +54,11 @@ def pick_games(games_root: Path, sft: Path, bank: Path, n: int, rollouts: int, p
     wins: dict[str, list[int]] = {}
     for x in recs:
         wins.setdefault(x["game_id"], []).append(int(bool(x["outcome"]["won"])))
+    return choose(wins, n, target)
+
+
+def choose(wins: dict[str, list[int]], n: int, target: float) -> list[dict]:
+    """The n games with some wins and some losses whose win rate is closest to ``target`` (ties by id)."""
     overall = sum(sum(w) for w in wins.values()) / max(1, sum(len(w) for w in wins.values()))
     rows = sorted(({"game": g, "wins": sum(w), "played": len(w)} for g, w in wins.items()), key=lambda d: (abs(d["wins"] / d["played"] - target), d["game"]))
     some = [d for d in rows if 0 < d["wins"] < d["played"]]
@@ -80,6 +85,36 @@ def run(label: str, lr: float, ids: list[str], args, profile, params, out: Path)
     rows = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()]
     print(f"{label}: {len(rows)} updates in {time.time() - t0:.0f} s", flush=True)
     return rows
+
+
+def verdict(wg: list[tuple[int, float, float]], wc: list[tuple[int, float, float]], need: float = 0.30) -> dict:
+    """The pass rule on GRPO's and the control's windows: GRPO's last window at least ``need`` above its
+    first, and the control's drift (last minus first) within two standard errors of that difference."""
+    rise, drift = wg[-1][1] - wg[0][1], wc[-1][1] - wc[0][1]
+    noise = 2 * math.sqrt(wc[0][2] ** 2 + wc[-1][2] ** 2)
+    return {"rise": rise, "drift": drift, "noise": noise, "pass": rise >= need and abs(drift) <= noise}
+
+
+def stale_parts(out: Path, inputs: dict, fresh: bool, rerun: bool) -> list[Path]:
+    """The check's own files under ``out`` to remove before it runs (none when everything is reused);
+    refuses in one line (SystemExit) to mix parts made from other inputs with these."""
+    stamp = out / "inputs.json"
+    own = [out / x for x in ("selection", "grpo", "control", "grpo-checkpoints", "control-checkpoints", "grpo.jsonl", "control.jsonl",
+                             "result.json", "grpo_check.png", "inputs.json")]
+    try:
+        held = json.loads(stamp.read_text()) if stamp.exists() else None
+    except json.JSONDecodeError:
+        held = None  # unreadable: as good as unrecorded
+    same = {part: isinstance(held, dict) and held.get(part) == inputs[part] for part in inputs}
+    if fresh or rerun:
+        if rerun and not same["selection"]:
+            raise SystemExit(f"error: {out} holds no selection of these inputs (SFT weights, bank, games, params, rollouts) to keep; pass --fresh")
+        return [x for x in own if x.exists() and not (rerun and x.name in ("selection", "inputs.json"))]
+    if any(x.exists() for x in own) and not all(same.values()):
+        part = "selection" if not same["selection"] else "runs"
+        raise SystemExit(f"error: {out} holds a GRPO check whose {part} had other inputs (or unrecorded ones); pass "
+                         f"{'--fresh' if part == 'selection' else '--rerun (keeps the selection) or --fresh'} to replace it, or another --out")
+    return []
 
 
 def windows(rows: list[dict], w: int, per_update: int) -> list[tuple[int, float, float]]:
@@ -118,22 +153,11 @@ def main() -> None:
     inputs = {"selection": {"sft": weights_digest(args.sft), "bank": file_digest(args.bank), "games": str(args.games),
                             "params": file_digest(Path(args.params)), "rollouts": args.rollouts},
               "runs": {k: getattr(args, k) for k in ("n_games", "updates", "lr", "target")}}
-    stamp = args.out / "inputs.json"
-    own = [args.out / x for x in ("selection", "grpo", "control", "grpo-checkpoints", "control-checkpoints", "grpo.jsonl", "control.jsonl",
-                                  "result.json", "grpo_check.png", "inputs.json")]
-    held = json.loads(stamp.read_text()) if stamp.exists() else None
-    same = {part: isinstance(held, dict) and held.get(part) == inputs[part] for part in inputs}
-    if args.fresh or args.rerun:
-        import shutil
+    import shutil
 
-        if args.rerun and not same["selection"]:
-            raise SystemExit(f"error: {args.out} holds no selection of these inputs (SFT weights, bank, games, params, rollouts) to keep; pass --fresh")
-        for x in [x for x in own if not (args.rerun and x.name in ("selection", "inputs.json"))]:
-            shutil.rmtree(x) if x.is_dir() else x.unlink(missing_ok=True)
-    elif any(x.exists() for x in own) and not all(same.values()):
-        part = "selection" if not same["selection"] else "runs"
-        raise SystemExit(f"error: {args.out} holds a GRPO check whose {part} had other inputs (or unrecorded ones); pass "
-                         f"{'--fresh' if part == 'selection' else '--rerun (keeps the selection) or --fresh'} to replace it, or another --out")
+    for x in stale_parts(args.out, inputs, args.fresh, args.rerun):
+        shutil.rmtree(x) if x.is_dir() else x.unlink(missing_ok=True)
+    stamp = args.out / "inputs.json"
     args.out.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps(inputs, indent=1))
     from evoharness.config import load_params
@@ -153,10 +177,8 @@ def main() -> None:
     print("| updates | GRPO | control (lr 0) |\n|---|---|---|")
     for (u, p, se), (_, q, se2) in zip(wg, wc):
         print(f"| {u}-{u + args.window - 1} | {100 * p:.1f} ± {196 * se:.1f} | {100 * q:.1f} ± {196 * se2:.1f} |")
-    rise = wg[-1][1] - wg[0][1]
-    drift = wc[-1][1] - wc[0][1]
-    noise = 2 * math.sqrt(wc[0][2] ** 2 + wc[-1][2] ** 2)
-    ok = rise >= 0.30 and abs(drift) <= noise
+    v = verdict(wg, wc)
+    rise, drift, noise, ok = v["rise"], v["drift"], v["noise"], v["pass"]
     print(f"\nGRPO rises {100 * rise:+.1f} points (needs >= +30.0); the control moves {100 * drift:+.1f} (noise bound ±{100 * noise:.1f}): "
           f"{'PASS' if ok else 'FAIL'}")
     (args.out / "result.json").write_text(json.dumps({"games": chosen, "grpo": wg, "control": wc, "rise": rise, "drift": drift, "noise": noise,
