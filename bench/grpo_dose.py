@@ -34,12 +34,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_dose"))
     args = ap.parse_args()
     from evoharness.alfworld.games import list_games
-    from evoharness.compare import per_family
+    from evoharness.compare import eval_setup, per_family
     from evoharness.config import load_params
     from evoharness.envpool import EnvPool
     from evoharness.evaluate import evaluate
     from evoharness.harness.experience import Experience
-    from evoharness.policies import PolicySpec
     from evoharness.training.grpo import train_grpo
     from evoharness.training.profiles import load_profile
 
@@ -57,10 +56,7 @@ def main() -> None:
             train_grpo(Path("data/games"), Path("data/models/sft-inline"), Path("data/demos/experience.json"), out, prof,
                        p.episode.reward.model_copy(update={"updates": max(stops)}), p.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
         t1 = time.time()
-        cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": "inline", "charge_meta_actions": False}),
-                                           "max_steps": prof.eval_max_steps or p.episode.max_steps, "max_turns": prof.eval_max_turns})
-        spec = PolicySpec(kind="hf", path=str(out), max_new_tokens=prof.grpo.max_new_tokens, constrained=prof.decoding == "constrained",
-                          backend=prof.generation, device=prof.device, dtype=prof.base.dtype)  # as compare.compare builds it
+        cfg, spec = eval_setup(p, prof, out, "inline")  # as the evaluate stage sets it up
         with EnvPool(prof.episode_workers) as pool:
             for split in args.splits.split(","):
                 games = per_family(list_games(Path("data/games"), split), prof.eval_games_per_family)

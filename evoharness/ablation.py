@@ -61,12 +61,11 @@ def _slug(label: str) -> str:
 def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_path: Path, out: Path, echo: Callable[[str], None] = print) -> dict:
     """Evaluate the ablation rows not in the main job, then write ``table.md`` and ``results.json``."""
     from evoharness.alfworld.games import list_games
-    from evoharness.compare import per_family
+    from evoharness.compare import eval_setup, per_family
     from evoharness.config import load_params
     from evoharness.envpool import EnvPool
     from evoharness.evaluate import evaluate
     from evoharness.harness.experience import Experience
-    from evoharness.policies import PolicySpec
     from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint
 
     p = load_params(params_path)
@@ -83,10 +82,7 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
                     raise EvoError(f"ablation: the main job's evaluation {f} is missing; run the main job first") from None
                 continue
             check_checkpoint(resolve_checkpoint(Path(row.model)), f"ablation: model {row.label}")
-            h = p.episode.harness.model_copy(update={"mode": row.mode, "charge_meta_actions": False, **{m: False for m in row.off}})
-            cfg = p.episode.model_copy(update={"harness": h, "max_steps": profile.eval_max_steps or p.episode.max_steps, "max_turns": profile.eval_max_turns})
-            spec = PolicySpec(kind="hf", path=row.model, max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained",
-                              backend=profile.generation, device=profile.device, dtype=profile.base.dtype)
+            cfg, spec = eval_setup(p, profile, row.model, row.mode, tuple(row.off))
             own = Path(row.model) / "experience.json"
             b = Experience.load(own) if own.exists() else bank
             results[row.label] = {}

@@ -62,6 +62,24 @@ CLAIMS = (("sft-inline", "sft-env_only", "the harness helps SFT (BPE-SFT above R
           ("grpo-inline", "sft-inline", "GRPO improves on its SFT model"))
 
 
+def format_p(p: float) -> str:
+    """A p-value as the tables print it: four decimals, or two significant figures below 0.001 (so a
+    small p never reads as 0.0000)."""
+    return f"{p:.4f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def eval_setup(params, profile: Profile, path: Path | str, mode: str, off: tuple[str, ...] = ()) -> tuple:
+    """The episode config and policy every evaluation of a trained model uses (this stage, the
+    ablation table, the bench scripts): greedy, the profile's decoding, backend, device and dtype, the
+    eval step and turn caps, meta-actions uncharged; ``off`` names harness modules switched off."""
+    h = params.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False, **{m: False for m in off}})
+    cfg = params.episode.model_copy(update={"harness": h, "max_steps": profile.eval_max_steps or params.episode.max_steps,
+                                            "max_turns": profile.eval_max_turns})
+    spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained",
+                      backend=profile.generation, device=profile.device, dtype=profile.base.dtype)
+    return cfg, spec
+
+
 def claims(results: dict, which: tuple = CLAIMS) -> str:
     """Each claim (``a`` beats ``b``) the table supports or not, with its test: one-sided Fisher
     exact on wins out of episodes, per split; a claim whose models were not both evaluated is left out."""
@@ -76,7 +94,7 @@ def claims(results: dict, which: tuple = CLAIMS) -> str:
             if not x or not y:
                 continue
             p = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"])
-            lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {p:.4f} |")
+            lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {format_p(p)} |")
     return "\n".join(lines)
 
 
@@ -101,11 +119,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
             except EvoError as e:
                 raise EvoError(f"{e} (run its stage first)") from None
             digests[label] = weights_digest(path)
-            cfg = p.episode.model_copy(update={"harness": p.episode.harness.model_copy(update={"mode": mode, "charge_meta_actions": False}),
-                                               "max_steps": profile.eval_max_steps or p.episode.max_steps,
-                                               "max_turns": profile.eval_max_turns})
-            spec = PolicySpec(kind="hf", path=str(path), max_new_tokens=profile.grpo.max_new_tokens, constrained=profile.decoding == "constrained",
-                              backend=profile.generation, device=profile.device, dtype=profile.base.dtype)
+            cfg, spec = eval_setup(p, profile, path, mode)
             results[label] = {}
             for split in ("valid_seen", "valid_unseen"):
                 games = per_family(list_games(games_root, split), profile.eval_games_per_family)

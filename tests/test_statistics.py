@@ -33,9 +33,10 @@ def test_claims_name_their_test_and_the_table_carries_intervals():
                "sft-env_only": {"valid_seen": _split(11), "valid_unseen": _split(3)},
                "grpo-inline": {"valid_seen": _split(34), "valid_unseen": _split(25)}}
     text = claims(results)
-    assert "| the harness helps SFT (BPE-SFT above ReAct-SFT): sft-inline > sft-env_only | valid_seen | 31/60 vs 11/60 | 0.0001 |" in text
+    assert "| the harness helps SFT (BPE-SFT above ReAct-SFT): sft-inline > sft-env_only | valid_seen | 31/60 vs 11/60 | 1.2e-04 |" in text
     assert "| GRPO improves on its SFT model: grpo-inline > sft-inline | valid_seen | 34/60 vs 31/60 | 0.3571 |" in text
     assert "**51.7** [39, 64] | 30.0 / 40.0 |" in comparison_table(results)
+    assert "| valid_unseen | 23/60 vs 3/60 | 5.7e-06 |" in text  # a small p reads as itself, never as 0.0000
     del results["sft-env_only"]  # a claim whose models were not evaluated is left out, not reported as p = 1
     assert "sft-env_only" not in claims(results)
 
@@ -51,5 +52,5 @@ def test_ablation_table_names_each_claim_of_the_paper_with_its_test():
     text = claims(results, CLAIMS)
     assert len(CLAIMS) == 7 and text.count("\n") == 1 + 2 * len(CLAIMS)
     assert "| choosing when to call the harness beats its panels every turn: SFT-inline > frozen harness (always_on) | valid_seen | 31/60 vs 14/60 | 0.0012 |" in text
-    assert "| Progress helps: cost-aware GRPO (EvoHarness-RL) > cost-aware GRPO without Progress | valid_seen | 34/60 vs 1/60 | 0.0000 |" in text
+    assert "| Progress helps: cost-aware GRPO (EvoHarness-RL) > cost-aware GRPO without Progress | valid_seen | 34/60 vs 1/60 | 1.8e-12 |" in text
     assert "**" not in ablation_table(results) and "31.0" not in ablation_table(results) and "51.7 [39, 64]" in ablation_table(results)
