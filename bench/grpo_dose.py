@@ -8,6 +8,10 @@ model as the main job's evaluate stage does: greedy, constrained, 10 games per f
 weight anneals over the last count, so every point is on the same run.
 
     .venv/bin/python bench/grpo_dose.py --lr 1e-4 --stops 12,24 --tag lr1e-4 [--set '{"temperature": 0.5}'] [--splits valid_seen,valid_unseen]
+                                        [--train-games ROOT] [--seed N]
+
+``--train-games``: another games root to train on, e.g. extra games made with
+``evoharness games --out /tmp/g2/games --params P --seed 4242`` (P: params.yaml with more train games per family).
 
 Prints one ``RESULT`` line per count and split; the models and episodes go under
 ``bench/results/grpo_dose/<tag>`` (not committed).
@@ -32,6 +36,9 @@ def main() -> None:
     ap.add_argument("--set", default="{}", help="other grpo keys to override, as JSON")
     ap.add_argument("--splits", default="valid_seen")
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_dose"))
+    ap.add_argument("--train-games", type=Path, default=Path("data/games"),
+                    help="the games root GRPO trains on (its train split); evaluation is always on data/games")
+    ap.add_argument("--seed", type=int, default=None, help="GRPO's seed: its game draws and rollouts (default: params seed)")
     args = ap.parse_args()
     from evoharness.alfworld.games import list_games
     from evoharness.compare import eval_setup, per_family
@@ -42,7 +49,18 @@ def main() -> None:
     from evoharness.training.grpo import train_grpo
     from evoharness.training.profiles import load_profile
 
-    stops = [int(x) for x in args.stops.split(",")]
+    try:
+        stops = [int(x) for x in args.stops.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --stops {args.stops!r} must be update counts separated by commas") from None
+    from evoharness.errors import EvoError
+
+    try:
+        found = list_games(args.train_games, "train")
+    except EvoError as e:
+        raise SystemExit(f"error: --train-games: {e}") from None
+    if not found:
+        raise SystemExit(f"error: --train-games {args.train_games}: no training games there (a games root holds train/)")
     if stops != sorted(set(stops)) or stops[0] < 1:
         raise SystemExit(f"error: --stops {args.stops!r} must be positive update counts in ascending order (each resumes the last)")
     p, prof = load_params("params.yaml"), load_profile("tiny-cpu", "params.yaml")
@@ -53,8 +71,8 @@ def main() -> None:
         out = root / f"s{s}"
         t0 = time.time()
         if not (out / "config.json").exists():
-            train_grpo(Path("data/games"), Path("data/models/sft-inline"), Path("data/demos/experience.json"), out, prof,
-                       p.episode.reward.model_copy(update={"updates": max(stops)}), p.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
+            train_grpo(args.train_games, Path("data/models/sft-inline"), Path("data/demos/experience.json"), out, prof,
+                       p.episode.reward.model_copy(update={"updates": max(stops)}), p.seed if args.seed is None else args.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
         t1 = time.time()
         cfg, spec = eval_setup(p, prof, out, "inline")  # as the evaluate stage sets it up
         with EnvPool(prof.episode_workers) as pool:
