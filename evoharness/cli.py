@@ -42,24 +42,34 @@ def games(
     params: str = PARAMS,
     seed: Optional[int] = typer.Option(None, help="override params seed"),
     metrics: Optional[Path] = typer.Option(None, help="also write kept/rejected counts here (DVC metrics)"),
+    section: str = typer.Option("games", help="params section with the seed and counts: games, or grpo_games (GRPO's own training games)"),
+    disjoint_from: Optional[Path] = typer.Option(None, "--disjoint-from", help="another games root: never generate a PDDL problem any of its games has"),
 ):
     """Generate ALFWorld games for all six families (train, valid_seen, valid_unseen)."""
-    from evoharness.alfworld.generate import GenConfig, generate
+    from evoharness.alfworld.generate import GenConfig, generate, problem_keys
     from evoharness.config import load_params
 
     p = load_params(params)
     g = p.games
+    if section not in ("games", "grpo_games"):
+        raise EvoError(f"--section: unknown section {section!r} (known: games, grpo_games)")
+    counts = dict(g.per_family if section == "games" else p.grpo_games.per_family)
+    base_seed = p.seed if section == "games" else p.grpo_games.seed
+    if disjoint_from is not None and disjoint_from.resolve() == out.resolve():
+        raise EvoError(f"--disjoint-from {disjoint_from}: is the output root itself (it is regenerated)")
+    avoid = frozenset(problem_keys(disjoint_from)) if disjoint_from is not None else frozenset()
     cfg = GenConfig(
-        seed=p.seed if seed is None else seed,
-        per_family=dict(g.per_family),
+        seed=base_seed if seed is None else seed,
+        per_family=counts,
         families=list(g.families),
         unseen_scenes=tuple(g.unseen_scenes),
         max_per_type=g.max_per_type,
         distractors=g.distractors,
         max_expert_steps=g.max_expert_steps,
         workers=p.workers,
+        avoid=avoid,
     )
-    total = sum(g.per_family.values()) * len(g.families)
+    total = sum(counts.values()) * len(g.families)
     bar = _bar(total, "games")
     state = {}
 
@@ -71,9 +81,11 @@ def games(
     summary = generate(out, cfg, progress)
     bar.close()
     if metrics:
-        _write_json(metrics, {split: {f: {"kept": v["kept"], "rejected": v["rejected"]} for f, v in fams.items()} for split, fams in summary["splits"].items()})
+        _write_json(metrics, {split: {f: {k: v[k] for k in ("kept", "rejected", "shared_skipped") if k in v} for f, v in fams.items()}
+                              for split, fams in summary["splits"].items() if counts.get(split)})
     for split, fams in summary["splits"].items():
-        typer.echo(f"{split:<13} " + "  ".join(f"{f}:{v['kept']}" for f, v in fams.items()))
+        if counts.get(split):
+            typer.echo(f"{split:<13} " + "  ".join(f"{f}:{v['kept']}" for f, v in fams.items()))
 
 
 @app.command()
@@ -452,7 +464,7 @@ def compare(
     profile: Optional[str] = typer.Option(None),
     params: str = PARAMS,
 ):
-    """Evaluate base (env_only and inline), SFT (both) and GRPO on valid_seen and valid_unseen."""
+    """Evaluate base (inline), SFT (env_only and inline) and GRPO on valid_seen and valid_unseen."""
     from evoharness.compare import compare as run_compare
 
     res = run_compare(params, _profile(params, profile), games_root, models, bank, out, echo=typer.echo)

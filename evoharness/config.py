@@ -43,6 +43,20 @@ class GamesParams(_Strict):
         return v
 
 
+class GrpoGamesParams(_Strict):
+    """GRPO's own training games (the grpo_games stage): generated like `games` (its families and limits),
+    from another seed, sharing no PDDL problem with any game of `games`."""
+    seed: int = 1
+    per_family: dict[str, int] = Field(default_factory=lambda: {"train": 64})
+
+    @field_validator("per_family")
+    @classmethod
+    def _train_only(cls, v: dict[str, int]) -> dict[str, int]:
+        if set(v) != {"train"} or v["train"] < 1:
+            raise ValueError("only train games, at least 1 per family (GRPO is evaluated on the games stage's valid splits)")
+        return v
+
+
 class DemosParams(_Strict):
     n: int = Field(96, ge=1)
     noise: float = Field(0.3, ge=0.0, le=1.0)
@@ -71,6 +85,7 @@ class Params(_Strict):
     profile: str = "tiny-cpu"
     workers: int = Field(2, ge=1)
     games: GamesParams = GamesParams()
+    grpo_games: GrpoGamesParams = GrpoGamesParams()
     episode: EpisodeConfig = EpisodeConfig()
     demos: DemosParams = DemosParams()
     pairs: PairsParams = PairsParams()

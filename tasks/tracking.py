@@ -16,7 +16,7 @@ from evoharness.lineage import git
 
 # Stage → its metrics JSON (the DVC metrics file) and, for GRPO, the per-update curve.
 METRICS = {
-    "games": "data/metrics/games.json", "demos": "data/metrics/demos.json", "pairs": "data/metrics/pairs.json",
+    "games": "data/metrics/games.json", "grpo_games": "data/metrics/grpo_games.json", "demos": "data/metrics/demos.json", "pairs": "data/metrics/pairs.json",
     "validate": "data/metrics/validation.json", "baselines": "data/metrics/baselines.json",
     "sft_inline": "data/metrics/sft-inline.json", "sft_env_only": "data/metrics/sft-env_only.json",
     "grpo": "data/metrics/grpo.json", "evaluate": "data/metrics/eval.json",

@@ -18,6 +18,7 @@ MICRO = {
     "profile": "tiny-cpu",
     "workers": 2,
     "games": {"per_family": {"train": 1, "valid_seen": 1, "valid_unseen": 1}, "max_per_type": 3, "distractors": 2},
+    "grpo_games": {"seed": 4, "per_family": {"train": 1}},
     "episode": {"max_steps": 40},
     "demos": {"n": 6, "noise": 0.2, "batch_size": 6},
     "pairs": {"val_fraction": 0.2, "few_shot": 0},

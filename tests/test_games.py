@@ -94,3 +94,44 @@ def test_official_data_used_when_alfworld_data_is_set(games_root, tmp_path, monk
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "alfworld"))
     games = list_games(None, "valid_seen")
     assert len(games) == 6 and all(g.path.startswith(str(official)) for g in games)
+
+
+def test_grpo_games_share_no_problem_with_the_games(games_root, tmp_path):
+    """The grpo_games stage's generator: another root's PDDL problems are skipped, never kept."""
+    from evoharness.alfworld.generate import GenConfig, generate, problem_keys
+
+    keys = problem_keys(games_root)
+    assert len(keys) == 18  # 6 families x 3 splits, all distinct
+    fams = ["pick_and_place_simple", "look_at_obj_in_light"]
+    out = tmp_path / "grpo_games"
+    # games_root's own seed: each family's first solvable draw is games_root's train game
+    s = generate(out, GenConfig(seed=7, per_family={"train": 1}, families=fams, avoid=frozenset(keys)))
+    new = problem_keys(out)
+    assert len(new) == 2 and not set(new) & set(keys)
+    assert all(s["splits"]["train"][FAMILIES[f]]["shared_skipped"] >= 1 for f in fams), s
+    assert not (out / "valid_seen").exists() and not (out / "valid_unseen").exists()
+    # without the avoided set the same seed gives games_root's problems back (the test above is not vacuous)
+    again = generate(tmp_path / "plain", GenConfig(seed=7, per_family={"train": 1}, families=fams))
+    assert set(problem_keys(tmp_path / "plain")) <= set(keys) and "shared_skipped" not in again["splits"]["train"][FAMILIES[fams[0]]]
+
+
+def test_grpo_games_section_and_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from evoharness.config import load_params
+    from evoharness.errors import EvoError
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("grpo_games: {seed: 3, per_family: {train: 2, valid_seen: 1}}\n")
+    with pytest.raises(EvoError, match="grpo_games.per_family: .*only train games"):
+        load_params(p)
+    cli = [sys.executable, "-m", "evoharness.cli", "games"]
+    r = subprocess.run(cli + ["--section", "grpo_games", "--disjoint-from", str(tmp_path / "none"), "--out", str(tmp_path / "g")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "none: no games to stay disjoint from" in r.stderr, r.stderr
+    r = subprocess.run(cli + ["--section", "gmaes", "--out", str(tmp_path / "g")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --section: unknown section 'gmaes' (known: games, grpo_games)", r.stderr
+    assert not (tmp_path / "g").exists()

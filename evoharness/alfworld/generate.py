@@ -8,6 +8,7 @@ Deterministic from a seed: the same (seed, split, family, counts) gives the same
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 import random
 import shutil
@@ -32,6 +33,27 @@ class GenConfig:
     distractors: int = 4
     max_expert_steps: int = 60
     workers: int = 2
+    avoid: frozenset[str] = frozenset()  # problem_key()s never to generate (another root's games: no shared problem)
+
+
+def problem_key(pddl_problem: str) -> str:
+    """A game's identity: its PDDL problem without the problem's name (which embeds the game's seed)."""
+    body = re.sub(r"^\(define \(problem [^)]*\)", "", pddl_problem.strip())
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def problem_keys(root: Path) -> dict[str, str]:
+    """problem_key -> game folder (split/task/trial) for every game under root (each split)."""
+    root = Path(root)
+    out: dict[str, str] = {}
+    for path in sorted(root.glob(f"*/*/*/{GAME_FILE}")):
+        try:
+            out[problem_key(json.loads(path.read_text())["pddl_problem"])] = str(path.parent.relative_to(root))
+        except (OSError, ValueError, KeyError) as e:
+            raise EvoError(f"{path}: unreadable game ({type(e).__name__}: {e})") from None
+    if not out:
+        raise EvoError(f"{root}: no games to stay disjoint from")
+    return out
 
 
 def _seed(*parts) -> int:
@@ -109,7 +131,7 @@ def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
                 if not pool_scenes:
                     raise EvoError(f"no scene can host {fam} in {split}")
                 kept: list[tuple[int, Problem, list[str]]] = []
-                rejected = 0
+                rejected = shared = 0
                 k = 0
                 while len(kept) < n:
                     if k > 40 * max(n, 1) + 40:
@@ -124,6 +146,9 @@ def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
                             p = sample_problem(scene, fam, rng, max_per_type=cfg.max_per_type, distractors=cfg.distractors)
                         except NoTask:
                             rejected += 1
+                            continue
+                        if cfg.avoid and problem_key(problem_pddl(p, "x")) in cfg.avoid:
+                            shared += 1  # the same problem as a game of the avoided root
                             continue
                         trial = sdir / p.dirname / f"trial_T{s:010d}"
                         batch.append((s, p, str(write_game(trial, p, s, None))))
@@ -153,6 +178,7 @@ def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
                 summary["splits"][split][FAMILIES[fam]] = {
                     "kept": len(kept),
                     "rejected": rejected,
+                    **({"shared_skipped": shared} if cfg.avoid else {}),
                     "scenes": sorted({p.scene for _, p, _ in kept}),
                     "mean_expert_steps": round(sum(len(w) for *_, w in kept) / max(len(kept), 1), 2),
                 }
