@@ -5,6 +5,7 @@ evaluate stage does (greedy, constrained, 10 games per family, the eval caps).
 
     .venv/bin/python bench/student_size.py --tag L4H128 --base '{"layers": 4, "hidden_size": 128, "intermediate_size": 384}'
                                            [--splits valid_seen] [--out bench/results/student_size]
+    .venv/bin/python bench/student_size.py --tag seed1 --base '{}' --seed 1 --models sft-inline   # the same recipe, another seed
 
 Prints one ``RESULT`` line per model and split and each stage's seconds; the models, a params copy
 and the episodes go under ``--out/<tag>`` (not committed). Nothing under data/ is written.
@@ -42,13 +43,20 @@ def main() -> None:
     ap.add_argument("--sft", default="{}", help="tiny-cpu sft keys to override, as JSON")
     ap.add_argument("--splits", default="valid_seen")
     ap.add_argument("--out", type=Path, default=Path("bench/results/student_size"))
+    ap.add_argument("--seed", type=int, default=None, help="params seed for the base model's init and SFT (the games, demos and pairs stay the main job's)")
+    ap.add_argument("--models", default="sft-inline,grpo", help="train and evaluate these: sft-inline, or sft-inline,grpo")
     args = ap.parse_args()
+    models = [x.strip() for x in args.models.split(",") if x.strip()]
+    if models not in (["sft-inline"], ["sft-inline", "grpo"]):
+        raise SystemExit(f"error: --models: want sft-inline or sft-inline,grpo, got {args.models!r}")
     root = (ROOT / args.out / args.tag).resolve()
     root.mkdir(parents=True, exist_ok=True)
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     prof = raw["profiles"]["tiny-cpu"]
     prof["base"].update(json.loads(args.base))
     prof["sft"].update(json.loads(args.sft))
+    if args.seed is not None:
+        raw["seed"] = args.seed
     params = root / "params.yaml"
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     log = root / "stages.log"
@@ -56,9 +64,9 @@ def main() -> None:
     steps = [("base_model", ["base-model", "--out", str(m / "base"), "--demos", "data/demos/demos.jsonl", "--params", str(params)]),
              ("sft_inline", ["sft", "--pairs", "data/pairs", "--base", str(m / "base"), "--mode", "inline", "--out", str(m / "sft-inline"),
                              "--checkpoints", str(root / "ck-sft"), "--params", str(params)]),
-             ("grpo", ["grpo", "--games", "data/games", "--sft", str(m / "sft-inline"), "--bank", "data/demos/experience.json", "--out",
+             ("grpo", ["grpo", "--games", "data/grpo_games", "--sft", str(m / "sft-inline"), "--bank", "data/demos/experience.json", "--out",
                        str(m / "grpo"), "--curve", str(root / "grpo_curve.jsonl"), "--checkpoints", str(root / "ck-grpo"), "--params", str(params)])]
-    for name, cmd in steps:
+    for name, cmd in steps[:2 + ("grpo" in models)]:
         out = Path(cmd[cmd.index("--out") + 1])
         if (out / "config.json").exists():
             print(f"STAGE {name} reused {out}", flush=True)
@@ -75,7 +83,7 @@ def main() -> None:
 
     p, profile = load_params(str(params)), load_profile("tiny-cpu", str(params))
     with EnvPool(profile.episode_workers) as pool:
-        for label in ("sft-inline", "grpo"):
+        for label in models:
             cfg, spec = eval_setup(p, profile, m / label, "inline")
             own = m / label / "experience.json"
             bank = Experience.load(own if own.exists() else ROOT / "data/demos/experience.json")
