@@ -5,6 +5,9 @@
   and no more than ``max_errored`` of its episodes errored;
 - it beats, on the same games, the model it was trained from and the base and random baselines
   (``must_beat``: more wins over both splits together);
+- it is not worse, split by split, than the model it was trained from (``no_regression``): game by
+  game, McNemar's exact one-sided test must not find it worse at ``alpha`` on either split, so a gain
+  on one split cannot hide a loss on the other;
 - it does not regress against the current champion: compared game by game on the same games under
   the same evaluation conditions, McNemar's exact test (one-sided) must not find it worse at ``alpha``,
   and a champion evaluated under other conditions is not compared at all (the check fails, naming the
@@ -52,6 +55,8 @@ class Thresholds(BaseModel):
     alpha: float = Field(0.05, gt=0, lt=1, description="McNemar's test against the champion: worse at this level is a regression")
     must_beat: list[str] = Field(default_factory=lambda: ["sft-inline", "base-inline", "random"],
                                  description="evaluations the candidate must beat on the same games (evaluate labels, or a baseline)")
+    no_regression: list[str] = Field(default_factory=lambda: ["sft-inline"],
+                                     description="evaluations the candidate must not be worse than on either split (McNemar at alpha, game by game)")
 
 
 class PromotionParams(BaseModel):
@@ -249,6 +254,16 @@ def decide(cand: Evidence, champion: Evidence | None, refs: dict[str, Evidence],
         if n == 0:
             raise EvoError(f"promotion: the candidate and {label} share no evaluated games; evaluate them on the same games")
         checks.append(Check(f"beats_{label}", cw / n, ">", rw / n, cw > rw, f"{cw} vs {rw} wins of {n} games"))
+    for label in t.no_regression:
+        ref = refs.get(label)
+        if ref is None:
+            raise EvoError(f"promotion: no evaluation of {label!r} to compare the candidate with (promotion.thresholds.no_regression)")
+        for split, short in (("valid_seen", "seen"), ("valid_unseen", "unseen")):
+            if not (cand.outcomes.get(split, {}).keys() & ref.outcomes.get(split, {}).keys()):
+                raise EvoError(f"promotion: the candidate and {label} share no evaluated {split} games; evaluate them on the same games")
+            b, c, p = mcnemar_worse(cand.outcomes[split], ref.outcomes[split])
+            checks.append(Check(f"{short}_vs_{label}", p, ">=", t.alpha, p >= t.alpha,
+                                f"McNemar exact, one-sided: {label}-only wins {b}, candidate-only wins {c}"))
     if champion is not None:
         diff = condition_difference(cand.conditions, champion.conditions)
         if diff:
@@ -276,8 +291,9 @@ def _reason(c: Check, t: Thresholds) -> str:
         return f"{c.detail} episodes errored ({c.value:.1%}), more than the limit {c.threshold:.1%}"
     if c.name.startswith("beats_"):
         return f"does not beat {c.name.removeprefix('beats_')} on the same games ({c.detail})"
-    if c.name.endswith("_vs_champion"):
-        return f"{c.name.split('_')[0]} success regresses against the champion (p = {c.value:.3f} < {t.alpha}; {c.detail})"
+    if "_vs_" in c.name:
+        split, other = c.name.split("_vs_", 1)
+        return f"{split} success regresses against {'the champion' if other == 'champion' else other} (p = {c.value:.3f} < {t.alpha}; {c.detail})"
     if c.name.endswith("_floor"):
         return f"{c.name.split('_')[0]} success {c.value:.1%} is below the floor {c.threshold:.1%} ({c.detail})"
     return c.detail or c.line()

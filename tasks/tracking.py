@@ -127,7 +127,8 @@ def fail_parent(root: str, parent_id: str, error: str) -> None:
 
 
 def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
-    """The candidate's evaluation and those it must beat, read from the evaluate and baselines stages."""
+    """The candidate's evaluation and those it must beat or not regress against, read from the evaluate and
+    baselines stages."""
     from evoharness import promotion
     from evoharness.config import load_params
 
@@ -140,7 +141,7 @@ def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
         return {s: based / f"{label}-{mode}-{s}" for s in promotion.SPLITS}
 
     cand = promotion.evidence_from_dirs(promotion.CANDIDATE, dirs(promotion.CANDIDATE), games_md5)
-    refs = {label: promotion.evidence_from_dirs(label, dirs(label), games_md5) for label in t.must_beat}
+    refs = {label: promotion.evidence_from_dirs(label, dirs(label), games_md5) for label in dict.fromkeys([*t.must_beat, *t.no_regression])}
     return cand, refs
 
 

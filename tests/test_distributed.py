@@ -99,7 +99,7 @@ def _project_params(base_path: str) -> dict:
     toy["sft"].update(max_steps=3)  # the toy's sizes: 3 SFT steps, 2 GRPO updates of 2 games x 2 rollouts, on 2 processes
     p["profiles"]["tiny-dist"] = toy
     p["profile"] = "tiny-dist"
-    p["promotion"]["thresholds"]["tiny-dist"] = {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": []}
+    p["promotion"]["thresholds"]["tiny-dist"] = {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": [], "no_regression": []}
     return p
 
 

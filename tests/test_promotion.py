@@ -43,13 +43,26 @@ def refs(sft=(12, 6), rnd=(0, 0)) -> dict:
 def test_the_checks_thresholds_errors_baselines_champion_and_floor():
     d = decide(ev("c", 24, 15), None, refs(), {}, T)
     assert d.promoted and "there is no champion yet" in d.reasons[0]
-    assert [c.name for c in d.checks] == ["seen_success", "unseen_success", "errored_episodes", "beats_sft-inline", "beats_random"]
+    assert [c.name for c in d.checks] == ["seen_success", "unseen_success", "errored_episodes", "beats_sft-inline", "beats_random",
+                                          "seen_vs_sft-inline", "unseen_vs_sft-inline"]
     d = decide(ev("c", 15, 15), None, refs(), {}, T)
     assert not d.promoted and d.reasons == ["seen success 25.0% is below the threshold 30.0%"]
     d = decide(ev("c", 24, 15, errored=13), None, refs(), {}, T)  # 13 of 120 errored: more than 10 %
     assert not d.promoted and d.reasons == ["13 of 120 episodes errored (10.8%), more than the limit 10.0%"]
-    d = decide(ev("c", 24, 15), None, refs(sft=(30, 10)), {}, T)  # 39 wins against the SFT model's 40
-    assert not d.promoted and d.reasons == ["does not beat sft-inline on the same games (39 vs 40 wins of 120 games)"]
+    d = decide(ev("c", 24, 15), None, refs(sft=(30, 10)), {}, T)  # 39 wins against the SFT model's 40, 6 seen games lost
+    assert not d.promoted and d.reasons == ["does not beat sft-inline on the same games (39 vs 40 wins of 120 games)",
+                                            "seen success regresses against sft-inline (p = 0.016 < 0.05; McNemar exact, one-sided: sft-inline-only wins 6, candidate-only wins 0)"]
+    # Split by split against its SFT parent: more wins pooled (26 + 24 against 20 + 28 of 120) does not hide 12
+    # unseen games only the parent won against 8 only the candidate won; 4 more only-parent wins on one split is noise.
+    d = decide(ev("c", 26, 24, shift=4), None, refs(sft=(20, 28)), {}, T)
+    assert d.promoted, d.reasons
+    d = decide(ev("c", 38, 14), None, refs(sft=(24, 28)), {}, T)  # 52 vs 52 is not more: fails beats as well
+    assert not d.promoted and d.reasons[1].startswith("unseen success regresses against sft-inline (p = 0.000 < 0.05; McNemar exact")
+    d = decide(ev("c", 40, 16), None, refs(sft=(12, 30)), {}, T)  # 56 against 42 pooled, 14 unseen games lost
+    assert not d.promoted and [c.name for c in d.checks if not c.passed] == ["unseen_vs_sft-inline"]
+    assert d.reasons == ["unseen success regresses against sft-inline (p = 0.000 < 0.05; McNemar exact, one-sided: sft-inline-only wins 14, candidate-only wins 0)"]
+    with pytest.raises(EvoError, match="no evaluation of 'sft-inline'.*no_regression"):
+        decide(ev("c", 24, 15), None, {"random": ev("random", 0, 0)}, {}, T.model_copy(update={"must_beat": ["random"]}))
     # Against the champion, game by game: 6 fewer wins on the same games is within noise, 12 is a regression.
     champ = ev("champ", 30, 15)
     assert decide(ev("c", 24, 15, shift=10), champ, refs(), {}, T).promoted  # 10 games only the champion won, 4 only the candidate
