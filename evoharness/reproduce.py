@@ -193,8 +193,10 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
 
     root = repo_root(root)
     t0 = time.time()
+    from evoharness.stagerun import machine
+
     commit, how = find_record(ref, root)
-    echo(f"reproducing {commit[:12]}: {how}")
+    echo(f"reproducing {commit[:12]}: {how}; on {machine()}")
     python = sys.executable
     work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
     git(["worktree", "add", "--detach", str(work), commit], root)
@@ -251,6 +253,9 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
             verdict = "yes" if r["match"] else (f"no (metrics within {r['metric_diff']})" if r.get("metric_diff") is not None else "NO")
             echo(f"{r['stage']:<13} {r['path']:<{w}} {str(r['expected']):<36} {str(r['got']):<36} {verdict}")
         echo(f"reproduced {sum(r['match'] for r in rows)} of {len(rows)} outputs identically in {time.time() - t0:.0f} s")
+        if any(not r["match"] and r.get("metric_diff") is None for r in rows):
+            echo("CPU training is bit-exact only on the processor kind that recorded it: compare this machine with the `machine` "
+                 "tag of the recording run's stages in MLflow")
         return rows
     finally:
         if not keep:

@@ -27,6 +27,37 @@ from evoharness.lineage import check_remote, check_shared, default_remote, dvc, 
 WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 
 
+def machine() -> str:
+    """The processor (and GPUs) this process runs on, as a tag: CPU training is bit-exact only between
+    machines of one kind (the matrix kernels differ by vector unit), so a run that does not reproduce a
+    hash names the kind it ran on. Read from /proc/cpuinfo and ``nvidia-smi``; "unknown" where neither says."""
+    import platform
+    import shutil
+    import subprocess
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() in ("vendor_id", "cpu family", "model", "model name", "flags") and k.strip() not in info:
+                info[k.strip()] = v.strip()
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "avx" if "avx" in flags else (platform.machine() or "unknown")
+    cpu = (f"{info.get('model name', platform.processor() or 'unknown')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
+           f"{isa}, {os.cpu_count()} cores)") if info else f"{platform.processor() or platform.machine() or 'unknown'} ({os.cpu_count()} cores)"
+    gpus = ""
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.split("\n")
+            names = [n.strip() for n in names if n.strip()]
+            gpus = f"; {len(names)}x {names[0]}" if names else ""
+        except (OSError, subprocess.SubprocessError):
+            gpus = "; nvidia-smi did not answer"
+    return cpu + gpus
+
+
 @dataclass
 class StageResult:
     stage: str
@@ -35,6 +66,7 @@ class StageResult:
     entry: dict = field(default_factory=dict)
     where: str = "local"
     files: dict = field(default_factory=dict)  # a job's uncached outputs (metrics, plots), by path
+    machine: str = ""  # the processor kind the stage ran on (``machine()``); empty when it did not run
 
     def hashes(self) -> dict[str, str]:
         return {f"{k[:-1]}:{o['path']}": o.get("md5", "") for k in ("deps", "outs") for o in self.entry.get(k, []) or []}
@@ -87,7 +119,7 @@ def run_here(root: Path, stage: str) -> StageResult:
     t0 = time.time()
     out = dvc(["repro", "--single-item", stage], root)
     ran = f"Running stage '{stage}'" in out
-    return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage))
+    return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage), machine=machine() if ran else "")
 
 
 def upstream(root: Path, stage: str) -> list[str]:
@@ -200,7 +232,7 @@ def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
     res = run_here(ws, stage)
     dvc(["push", stage], ws)
     echo(f"{stage}: {'ran' if res.ran else 'was up to date'} in {res.seconds:.1f} s and pushed its outputs")
-    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage))
+    return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage), machine=res.machine)
 
 
 def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:

@@ -209,7 +209,7 @@ def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
 
 
 def job_markdown(res: stagerun.StageResult) -> str:
-    doc = {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "entry": res.entry, "files": res.files}
+    doc = {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "machine": res.machine, "entry": res.entry, "files": res.files}
     table = "\n".join(f"| `{k}` | `{v}` |" for k, v in res.hashes().items() if k.startswith("out:"))
     return (f"### {res.stage}: {'ran' if res.ran else 'up to date'} in {res.seconds:.1f} s; outputs pushed\n\n| output | md5 |\n|---|---|\n{table}\n\n"
             f"The stage's dvc.lock entry (the orchestrator merges it and pulls by these hashes):\n\n```yaml\n{yaml.safe_dump(doc, sort_keys=False)}```\n")
@@ -313,7 +313,8 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, poll_s: fl
     job = _job_result(fr.id)
     outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
     log.info(f"{stage}: received {outs} from job {fr.id} on {fr.infrastructure_pid}")
-    return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}")
+    return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}",
+                                machine=str(job.get("machine") or ""))
 
 
 @task(name="dvc-push", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

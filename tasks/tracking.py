@@ -43,7 +43,7 @@ def start_parent(root: str, params_path: str, profile: str, pool: str | None, fl
     c = tracking.client(Path(root))
     exp = tracking.experiment_id(c, Path(root))
     tags = {**git_state(Path(root)), "profile": profile, "pool": pool or "in-process", "kind": "retrain",
-            "prefect.flow_run_id": flow_run_id or "none", "host": platform.node()}
+            "prefect.flow_run_id": flow_run_id or "none", "host": platform.node(), "machine": stagerun.machine()}
     run = c.create_run(exp, run_name=f"retrain-{profile}", tags=tags)
     params = yaml.safe_load(Path(root, params_path).read_text()) or {}
     prof = (params.get("profiles") or {}).get(profile, {})
@@ -58,7 +58,8 @@ def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
     c = tracking.client(Path(root))
     parent = c.get_run(parent_id)
     tags = {"mlflow.parentRunId": parent_id, "stage": res.stage, "cached": str(not res.ran).lower(), "where": res.where,
-            "git_commit": parent.data.tags.get("git_commit", "none"), **tracking.stage_hash_tags(res.entry)}
+            "git_commit": parent.data.tags.get("git_commit", "none"), **tracking.stage_hash_tags(res.entry),
+            **({"machine": res.machine} if res.machine else {})}
     run = c.create_run(parent.info.experiment_id, run_name=res.stage, tags=tags)
     rid = run.info.run_id
     metrics = read_metrics(Path(root), res.stage)

@@ -52,7 +52,7 @@ def _line(out: str, prefix: str) -> str:
 
 
 def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefect_server, project):
-    from evoharness import tracking
+    from evoharness import stagerun, tracking
 
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=project, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -104,7 +104,9 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         children = {r.data.tags["stage"]: r for r in c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{p.info.run_id}'")}
         assert set(children) == {*lock, "promote"}
         sft_ran = "sft_inline" in line.split(";")[0]
-        assert children["games"].data.tags["cached"] == "true"
+        assert children["games"].data.tags["cached"] == "true" and "machine" not in children["games"].data.tags
+        # The processor kind, which decides whether CPU training reproduces a hash: the scheduler's, and each stage's that ran.
+        assert p.data.tags["machine"] == stagerun.machine() and children["grpo"].data.tags["machine"] == stagerun.machine()
         assert children["sft_inline"].data.tags["cached"] == ("false" if sft_ran else "true"), line
         assert children["sft_inline"].data.tags["dvc.dep.data/pairs"] == next(o["md5"] for o in lock["pairs"]["outs"] if o["path"] == "data/pairs")
         assert "grpo-inline.valid_seen.all.success" in children["evaluate"].data.metrics

@@ -193,6 +193,15 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     rec = re.search(r"git record: (retrain/([0-9a-f]{32})) \(([0-9a-f]{12})\)", out2)
     assert rec, out2[-2000:]
     hosts["run_id"] = rec.group(2)
+    # Each stage's MLflow run names the processor kind its job ran on (it travels back with the job's result).
+    from mlflow import MlflowClient
+
+    from evoharness import stagerun
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    kids = {k.data.tags["stage"]: k for k in c.search_runs([c.get_run(rec.group(2)).info.experiment_id],
+                                                          f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
+    assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ") and kids["grpo"].data.tags["machine"] == stagerun.machine()
     remote_tags = git(["ls-remote", "--tags", "origin"], repo)
     assert f"refs/tags/{rec.group(1)}" in remote_tags
     assert yaml.safe_load(git(["show", f"{rec.group(1)}:dvc.lock"], repo)) == yaml.safe_load((repo / "dvc.lock").read_text())
@@ -239,6 +248,9 @@ def test_reproduce_the_retrain_on_the_worker_host_from_a_fresh_clone(hosts):
     print(f"reproduce on the worker host: {took:.0f} s")
     rows = [ln.split() for ln in out.splitlines() if re.match(r"^\S+ +data/\S+ +[0-9a-f]{32}", ln)]
     assert rows and r.returncode in (0, 2), (out[-3000:], r.stderr[-3000:])
+    from evoharness import stagerun
+
+    assert f"; on {stagerun.machine()}" in out  # the processor kind it reproduces on, beside the recording run's `machine` tags
     verdict = {(x[0], x[1]): " ".join(x[4:]) for x in rows}
     resumed = {s for s in ("sft_inline", "sft_env_only", "grpo")
                if json.loads(git(["show", f"retrain/{run_id}:data/metrics/{s.replace('_', '-', 1) if s.startswith('sft') else s}.json"],
