@@ -5,7 +5,7 @@ learning rate and any other ``grpo`` keys overridden), stops at each count in ``
 resumes from its checkpoint for the next count, so one run gives every point), and evaluates each
 model as the main job's evaluate stage does: greedy, constrained, 10 games per family, at most
 ``eval_max_steps`` steps and ``eval_max_turns`` turns, with the bank GRPO evolved. The diversity
-weight anneals over the last count, so every point is on the same run.
+weight anneals over the last count (or ``--anneal``), so every point is on the same run.
 
     .venv/bin/python bench/grpo_dose.py --lr 1e-4 --stops 12,24 --tag lr1e-4 [--set '{"temperature": 0.5}'] [--splits valid_seen,valid_unseen]
                                         [--train-games ROOT] [--seed N]
@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--train-games", type=Path, default=Path("data/games"),
                     help="the games root GRPO trains on (its train split); evaluation is always on data/games")
     ap.add_argument("--seed", type=int, default=None, help="GRPO's seed: its game draws and rollouts (default: params seed)")
+    ap.add_argument("--anneal", type=int, default=None,
+                    help="updates over which the diversity weight anneals (default: the last stop); with the same value and "
+                         "--set '{\"save_steps\": N}' a later run of the same tag resumes an earlier run's checkpoint at N")
     args = ap.parse_args()
     from evoharness.alfworld.games import list_games
     from evoharness.compare import eval_setup, per_family
@@ -72,7 +75,7 @@ def main() -> None:
         t0 = time.time()
         if not (out / "config.json").exists():
             train_grpo(args.train_games, Path("data/models/sft-inline"), Path("data/demos/experience.json"), out, prof,
-                       p.episode.reward.model_copy(update={"updates": max(stops)}), p.seed if args.seed is None else args.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
+                       p.episode.reward.model_copy(update={"updates": args.anneal or max(stops)}), p.seed if args.seed is None else args.seed, p.workers, s, root / "ck", root / f"curve{s}.jsonl")
         t1 = time.time()
         cfg, spec = eval_setup(p, prof, out, "inline")  # as the evaluate stage sets it up
         with EnvPool(prof.episode_workers) as pool:
