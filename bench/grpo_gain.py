@@ -33,7 +33,9 @@ def fresh_games(out: Path, split: str, per_family: int, seed: int) -> Path:
     from evoharness.config import load_params
 
     root = out / f"games-{split}"
-    if (root / split).is_dir():
+    made = root / "made-with.json"  # reused only when made with the same seed and count
+    want = {"seed": seed, "per_family": per_family}
+    if (root / split).is_dir() and made.is_file() and json.loads(made.read_text()) == want:
         return root
     p = load_params("params.yaml")
     g = p.games
@@ -54,18 +56,20 @@ def fresh_games(out: Path, split: str, per_family: int, seed: int) -> Path:
         G.generate(root, cfg)
     finally:
         G.scene_pool = orig
+    made.write_text(json.dumps(want))
     return root
 
 
-def paired(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float, float]:
-    """(games only b won, games only a won, b − a in points, 1.96 paired standard errors in points)."""
-    keys = a.keys() & b.keys()
-    only_b = sum(1 for k in keys if b[k] and not a[k])
-    only_a = sum(1 for k in keys if a[k] and not b[k])
-    n = len(keys)
+def paired(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float, float, float]:
+    """On the games both played: (games only b won, games only a won, b − a in points, 1.96 paired standard
+    errors in points, McNemar's exact one-sided p that b is better)."""
+    from evoharness.promotion import mcnemar_worse
+
+    only_b, only_a, p = mcnemar_worse(a, b)  # "a worse than b" is "b better than a"
+    n = len(a.keys() & b.keys())
     d = (only_b - only_a) / n
     se = math.sqrt(max((only_b + only_a) / n - d * d, 0.0) / n)
-    return only_b, only_a, 100 * d, 196 * se
+    return only_b, only_a, 100 * d, 196 * se, p
 
 
 def main() -> None:
@@ -82,7 +86,6 @@ def main() -> None:
     from evoharness.envpool import EnvPool
     from evoharness.evaluate import evaluate, wilson
     from evoharness.harness.experience import Experience
-    from evoharness.promotion import mcnemar_worse
     from evoharness.training.profiles import load_profile
 
     models = []
@@ -124,8 +127,7 @@ def main() -> None:
             if label == ref:
                 print(row + " – | – | – |")
                 continue
-            only_it, only_ref, d, ci = paired(outcomes[(ref, split)], o)
-            _, _, pval = mcnemar_worse(outcomes[(ref, split)], o)
+            only_it, only_ref, d, ci, pval = paired(outcomes[(ref, split)], o)
             print(row + f" {d:+.1f} [{d - ci:+.1f}, {d + ci:+.1f}] | {only_it} / {only_ref} | {pval:.3f} |")
 
 

@@ -30,7 +30,8 @@ WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 def machine() -> str:
     """The processor (and GPUs) this process runs on, as a tag: CPU training is bit-exact only between
     machines of one kind (the matrix kernels differ by vector unit), so a run that does not reproduce a
-    hash names the kind it ran on. Read from /proc/cpuinfo and ``nvidia-smi``; "unknown" where neither says."""
+    hash names the kind it ran on. Read from /proc/cpuinfo and ``nvidia-smi``; "unknown" where neither says.
+    ``EVOHARNESS_MACHINE``, when set, is put first: a name the hardware cannot give (an instance type, a box)."""
     import platform
     import shutil
     import subprocess
@@ -55,7 +56,8 @@ def machine() -> str:
             gpus = f"; {len(names)}x {names[0]}" if names else ""
         except (OSError, subprocess.SubprocessError):
             gpus = "; nvidia-smi did not answer"
-    return cpu + gpus
+    label = os.environ.get("EVOHARNESS_MACHINE", "").strip()
+    return f"{label}: {cpu}{gpus}" if label else cpu + gpus
 
 
 @dataclass

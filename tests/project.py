@@ -40,7 +40,7 @@ MICRO = {
         "eval_max_steps": 6,
         "episode_workers": 2,
     }},
-    "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": [], "no_regression": []}}},
+    "promotion": {"model_name": "evoharness-test", "thresholds": {"tiny-cpu": {"min_seen": 0.0, "min_unseen": 0.0, "tolerance": 0.05, "must_beat": []}}},
 }
 
 

@@ -114,6 +114,9 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         assert len(c.get_metric_history(children["grpo"].info.run_id, "curve.success")) == MICRO["profiles"]["tiny-cpu"]["grpo"]["steps"]
         mv = c.get_model_version_by_alias("evoharness-test-tiny-cpu", "champion")
         assert mv.tags["dvc_md5"] == grpo_md5 and mv.tags["decision"] == "promoted"
+        # no_regression (the default, sft-inline): read from the evaluate stage's output and checked split by split.
+        for k in ("seen_vs_sft-inline", "unseen_vs_sft-inline"):
+            assert re.match(rf"{k}: [01]\.\d{{3}} >= 0\.050 -> pass \(McNemar exact, one-sided: sft-inline-only wins \d+", mv.tags[f"check.{k}"]), mv.tags
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
 

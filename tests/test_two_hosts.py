@@ -67,8 +67,9 @@ def start_cli(repo: Path, home: Path, log: Path, *args, **env) -> subprocess.Pop
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def start_worker(worker, name: str, log: Path) -> subprocess.Popen:
-    return worker.popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", name], log)
+def start_worker(worker, name: str, log: Path, **env) -> subprocess.Popen:
+    return worker.popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", name], log,
+                        env=worker.env(**env))
 
 
 def kill_user(user: str) -> None:
@@ -152,7 +153,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     from prefect.client.orchestration import get_client
 
     repo, w = hosts["repo"], hosts["worker"]
-    worker = start_worker(w, "gpu-box-2", tmp_path / "worker2.log")
+    worker = start_worker(w, "gpu-box-2", tmp_path / "worker2.log", EVOHARNESS_MACHINE="gpu-box-2")
     log2, log3 = tmp_path / "retrain2.log", tmp_path / "retrain3.log"
     t0 = time.time()
     r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL)
@@ -193,15 +194,21 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     rec = re.search(r"git record: (retrain/([0-9a-f]{32})) \(([0-9a-f]{12})\)", out2)
     assert rec, out2[-2000:]
     hosts["run_id"] = rec.group(2)
-    # Each stage's MLflow run names the processor kind its job ran on (it travels back with the job's result).
+    # Each stage's MLflow run names the machine its job ran on: the worker's (its label travels back with the
+    # job's result), not the orchestrator's, which the parent run names.
     from mlflow import MlflowClient
 
     from evoharness import stagerun
 
+    assert "EVOHARNESS_MACHINE" not in os.environ
     c = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    kids = {k.data.tags["stage"]: k for k in c.search_runs([c.get_run(rec.group(2)).info.experiment_id],
-                                                          f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
-    assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ") and kids["grpo"].data.tags["machine"] == stagerun.machine()
+    parent = c.get_run(rec.group(2))
+    kids = {k.data.tags["stage"]: k for k in c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
+    assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ")
+    assert kids["grpo"].data.tags["machine"] == f"gpu-box-2: {stagerun.machine()}" and parent.data.tags["machine"] == stagerun.machine()
+    # The gate compared the candidate with its SFT parent split by split (no_regression), on the evaluations it read.
+    mv = c.get_model_version_by_alias("evoharness-hosts-tiny-cpu", "champion")
+    assert {"check.seen_vs_sft-inline", "check.unseen_vs_sft-inline"} <= set(mv.tags), mv.tags
     remote_tags = git(["ls-remote", "--tags", "origin"], repo)
     assert f"refs/tags/{rec.group(1)}" in remote_tags
     assert yaml.safe_load(git(["show", f"{rec.group(1)}:dvc.lock"], repo)) == yaml.safe_load((repo / "dvc.lock").read_text())
