@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,15 +223,55 @@ def repo_root(start: Path | None = None) -> Path:
     return root
 
 
-def check_lock(root: Path) -> None:
-    """A DVC lock left by a killed process: say so, naming the file and the dead process."""
-    rw = Path(root) / ".dvc" / "tmp" / "rwlock"
-    if not rw.exists():
-        return
+GUARD_WAIT_S = 60.0
+
+
+@contextmanager
+def _rwlock_guard(root: Path):
+    """DVC's own guard of its lock file (``.dvc/tmp/rwlock.lock``, the lock ``dvc`` takes to read or
+    edit ``rwlock``). DVC rewrites ``rwlock`` in place (truncate, then write) under this guard, so a
+    read without it can see half a file, and a write without it can empty the file under a running
+    ``dvc repro`` (which then stops: "JSON structure is corrupted"). Held for milliseconds by DVC;
+    one held for ``GUARD_WAIT_S`` is reported in one line."""
+    from dvc.config import Config, ConfigError
+    from dvc.lock import LockError, make_lock
+
+    tmp = Path(root) / ".dvc" / "tmp"
+    try:
+        hardlink = bool((Config(dvc_dir=str(Path(root) / ".dvc")).get("core") or {}).get("hardlink_lock", False))
+    except ConfigError as e:
+        raise EvoError(f"DVC config in {Path(root) / '.dvc'} is invalid: {' '.join(str(e).split())}") from None
+    deadline = time.monotonic() + GUARD_WAIT_S
+    while True:
+        guard = make_lock(str(tmp / "rwlock.lock"), tmp_dir=str(tmp), hardlink_lock=hardlink)
+        try:
+            guard.lock()  # DVC's own retries: about 3 s
+            break
+        except LockError:
+            if time.monotonic() > deadline:
+                raise EvoError(f"DVC's lock guard {tmp / 'rwlock.lock'} stayed held for {GUARD_WAIT_S:.0f} s; "
+                               "is a DVC process hung there?") from None
+    try:
+        yield tmp / "rwlock"
+    finally:
+        guard.unlock()
+
+
+def _read_rwlock(rw: Path) -> dict:
     try:
         data = json.loads(rw.read_text() or "{}")
     except ValueError:
         raise EvoError(f"DVC lock {rw} is corrupt; no DVC command can run until it is removed (`evoharness unlock`)") from None
+    return data if isinstance(data, dict) else {}
+
+
+def check_lock(root: Path) -> None:
+    """A DVC lock left by a killed process: say so, naming the file and the dead process. Read under
+    DVC's guard: another process's ``dvc`` may be rewriting it."""
+    if not (Path(root) / ".dvc" / "tmp" / "rwlock").exists():
+        return
+    with _rwlock_guard(root) as rw:
+        data = _read_rwlock(rw) if rw.exists() else {}
     holders = []
     for mode in ("read", "write"):
         for path, info in (data.get(mode) or {}).items():
@@ -260,29 +301,36 @@ def _alive(pid: int) -> bool:
 
 
 def unlock(root: Path) -> list[int]:
-    """Drop lock entries whose process is dead; live ones are kept. Returns the dead processes, each once."""
-    rw = Path(root) / ".dvc" / "tmp" / "rwlock"
-    if not rw.exists():
+    """Drop lock entries whose process is dead; live ones are kept. Returns the dead processes, each once.
+    Done under DVC's guard, and the file is rewritten (atomically) only when an entry was dropped: a
+    retrain's preflight runs this while another retrain of the repository may be inside ``dvc repro``."""
+    if not (Path(root) / ".dvc" / "tmp" / "rwlock").exists():
         return []
-    try:
-        data = json.loads(rw.read_text() or "{}")
-    except ValueError:
-        backup = rw.with_name(f"rwlock.corrupt.{os.getpid()}")
-        rw.replace(backup)  # kept, not deleted
-        return []
-    removed = []
-    for mode in ("read", "write"):
-        entries = data.get(mode) or {}
-        for path in list(entries):
-            info = entries[path]
-            infos = info if isinstance(info, list) else [info]
-            live = [i for i in infos if _alive(int(i.get("pid", 0)))]
-            removed += [int(i.get("pid", 0)) for i in infos if i not in live]
-            if not live:
-                del entries[path]
-            else:
-                entries[path] = live if isinstance(info, list) else live[0]
-    rw.write_text(json.dumps(data))
+    with _rwlock_guard(root) as rw:
+        if not rw.exists():
+            return []
+        try:
+            data = json.loads(rw.read_text() or "{}")
+        except ValueError:
+            backup = rw.with_name(f"rwlock.corrupt.{os.getpid()}")
+            rw.replace(backup)  # kept, not deleted
+            return []
+        removed = []
+        for mode in ("read", "write"):
+            entries = data.get(mode) or {}
+            for path in list(entries):
+                info = entries[path]
+                infos = info if isinstance(info, list) else [info]
+                live = [i for i in infos if _alive(int(i.get("pid", 0)))]
+                removed += [int(i.get("pid", 0)) for i in infos if i not in live]
+                if not live:
+                    del entries[path]
+                else:
+                    entries[path] = live if isinstance(info, list) else live[0]
+        if removed:
+            tmp = rw.with_name(f"rwlock.tmp.{os.getpid()}")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(rw)
     return sorted(set(removed))  # one entry per locked path: a process is named once
 
 

@@ -8,8 +8,10 @@ data stages are the targets here (the training stages have tests of their own).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -160,6 +162,49 @@ def test_stale_lock_is_named_and_cleared(repo):
     assert unlock(repo) == [proc.pid]  # named once
     assert str(proc.pid) not in lock.read_text()
     dvc(["status", *DATA], repo)  # raises if the lock still blocks
+
+
+def test_unlock_waits_for_dvcs_guard_and_leaves_a_live_lock_untouched(repo):
+    """A second retrain's preflight clears stale locks while the first retrain's ``dvc repro`` runs:
+    it must take DVC's guard (DVC rewrites ``rwlock`` in place under it) and must not rewrite a lock
+    whose holders are alive. CI saw ``dvc repro`` stop on an emptied ``rwlock`` ("JSON structure is
+    corrupted") when it did neither."""
+    import threading
+
+    tmp = repo / ".dvc" / "tmp"
+    tmp.mkdir(exist_ok=True)
+    lock = tmp / "rwlock"
+    live = {"pid": os.getpid(), "cmd": "dvc repro --single-item grpo_games"}
+    lock.write_text(json.dumps({"read": {str(repo / "data" / "demos"): [live]}, "write": {}}))
+    before = (lock.stat().st_ino, lock.stat().st_mtime_ns)
+    assert unlock(repo) == [] and (lock.stat().st_ino, lock.stat().st_mtime_ns) == before  # not rewritten
+
+    # DVC holds its guard (as while editing rwlock) in another process: unlock and check_lock wait for it.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, zc.lockfile; l = zc.lockfile.LockFile(sys.argv[1]); "
+                               "print('held', flush=True); sys.stdin.read()", str(tmp / "rwlock.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        dead = {"pid": proc.pid, "cmd": "dvc repro"}
+        lock.write_text(json.dumps({"read": {str(repo / "data" / "demos"): [live, dead]}, "write": {}}))
+        done = {}
+        t = threading.Thread(target=lambda: done.update(pids=unlock(repo)))
+        t.start()
+        t.join(5)  # longer than one round of DVC's retries
+        assert t.is_alive() and "pids" not in done and str(proc.pid) in lock.read_text()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    t.join(30)
+    assert done["pids"] == [proc.pid]
+    assert json.loads(lock.read_text())["read"][str(repo / "data" / "demos")] == [live]
+    assert not list(tmp.glob("rwlock.tmp.*"))
+    try:
+        dvc(["status", *DATA], repo)  # DVC reads what unlock wrote
+    finally:
+        lock.unlink()  # this process's entry would block the module's later `dvc repro`
 
 
 def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, monkeypatch):

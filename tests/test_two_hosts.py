@@ -242,6 +242,8 @@ def test_pool_refuses_what_another_machine_cannot_reach(hosts, tmp_path, git_ser
 def test_reproduce_the_retrain_on_the_worker_host_from_a_fresh_clone(hosts):
     """`reproduce <MLflow run id>` on the other host: a fresh clone in its own folder and HOME, the data
     from the network remote with that host's own credentials; every stage re-run on its recorded inputs."""
+    if "run_id" not in hosts:
+        pytest.fail("no retrain to reproduce: test_a_rerun_with_a_live_worker_... did not record one (it failed or was deselected)")
     w, run_id = hosts["worker"], hosts["run_id"]
     origin = git(["config", "--get", "remote.origin.url"], hosts["repo"])
     clone = w.home / "reproduce-here"
