@@ -59,18 +59,25 @@ def git(args: list[str], cwd: Path, check: bool = True) -> str:
     return r.stdout.strip()
 
 
-def default_remote(root: Path) -> tuple[str, str] | None:
-    """(name, url) of the default remote, or None. Read with DVC's own config loader (every level:
-    system, global, repo, local) in this process: two ``dvc`` subprocesses cost about 1.6 s here."""
+def dvc_config(root: Path):
+    """The repository's DVC config, merged over every level (system, global, repo, local) by DVC's own
+    loader in this process; an invalid one is one line naming the folder."""
     from dvc.config import Config, ConfigError
 
     dvc_dir = Path(root) / ".dvc"
-    if not dvc_dir.is_dir():
-        return None
     try:
-        conf = Config(dvc_dir=str(dvc_dir))
+        return Config(dvc_dir=str(dvc_dir))
     except ConfigError as e:
         raise EvoError(f"DVC config in {dvc_dir} is invalid: {' '.join(str(e).split())}") from None
+
+
+def default_remote(root: Path) -> tuple[str, str] | None:
+    """(name, url) of the default remote, or None. Read with DVC's own config loader (every level:
+    system, global, repo, local) in this process: two ``dvc`` subprocesses cost about 1.6 s here."""
+    if not (Path(root) / ".dvc").is_dir():
+        return None
+    conf = dvc_config(root)
+    dvc_dir = Path(root) / ".dvc"
     name = (conf.get("core") or {}).get("remote") or ""
     if not name:
         return None
@@ -233,14 +240,10 @@ def _rwlock_guard(root: Path):
     read without it can see half a file, and a write without it can empty the file under a running
     ``dvc repro`` (which then stops: "JSON structure is corrupted"). Held for milliseconds by DVC;
     one held for ``GUARD_WAIT_S`` is reported in one line."""
-    from dvc.config import Config, ConfigError
     from dvc.lock import LockError, make_lock
 
     tmp = Path(root) / ".dvc" / "tmp"
-    try:
-        hardlink = bool((Config(dvc_dir=str(Path(root) / ".dvc")).get("core") or {}).get("hardlink_lock", False))
-    except ConfigError as e:
-        raise EvoError(f"DVC config in {Path(root) / '.dvc'} is invalid: {' '.join(str(e).split())}") from None
+    hardlink = bool((dvc_config(root).get("core") or {}).get("hardlink_lock", False))
     deadline = time.monotonic() + GUARD_WAIT_S
     while True:
         guard = make_lock(str(tmp / "rwlock.lock"), tmp_dir=str(tmp), hardlink_lock=hardlink)
@@ -261,8 +264,10 @@ def _read_rwlock(rw: Path) -> dict:
     try:
         data = json.loads(rw.read_text() or "{}")
     except ValueError:
-        raise EvoError(f"DVC lock {rw} is corrupt; no DVC command can run until it is removed (`evoharness unlock`)") from None
-    return data if isinstance(data, dict) else {}
+        data = None
+    if not isinstance(data, dict):  # not JSON, or JSON DVC cannot read as a lock: never taken for "no holders"
+        raise EvoError(f"DVC lock {rw} is corrupt; no DVC command can run until it is removed (`evoharness unlock`)")
+    return data
 
 
 def check_lock(root: Path) -> None:
@@ -310,10 +315,9 @@ def unlock(root: Path) -> list[int]:
         if not rw.exists():
             return []
         try:
-            data = json.loads(rw.read_text() or "{}")
-        except ValueError:
-            backup = rw.with_name(f"rwlock.corrupt.{os.getpid()}")
-            rw.replace(backup)  # kept, not deleted
+            data = _read_rwlock(rw)
+        except EvoError:
+            rw.replace(rw.with_name(f"rwlock.corrupt.{os.getpid()}"))  # kept, not deleted
             return []
         removed = []
         for mode in ("read", "write"):

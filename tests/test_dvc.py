@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from evoharness.errors import EvoError
-from evoharness.lineage import check_remote, dvc, ensure_remote, git, lineage, parse_lock, unlock
+from evoharness.lineage import check_lock, check_remote, dvc, ensure_remote, git, lineage, parse_lock, unlock
 from evoharness.reproduce import find_record, reproduce
 from project import MICRO, make_project
 
@@ -180,8 +180,8 @@ def test_unlock_waits_for_dvcs_guard_and_leaves_a_live_lock_untouched(repo):
     assert unlock(repo) == [] and (lock.stat().st_ino, lock.stat().st_mtime_ns) == before  # not rewritten
 
     # DVC holds its guard (as while editing rwlock) in another process: unlock and check_lock wait for it.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, zc.lockfile; l = zc.lockfile.LockFile(sys.argv[1]); "
-                               "print('held', flush=True); sys.stdin.read()", str(tmp / "rwlock.lock")],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from dvc.lock import make_lock; l = make_lock(sys.argv[1], tmp_dir=sys.argv[2]); "
+                               "l.lock(); print('held', flush=True); sys.stdin.read()", str(tmp / "rwlock.lock"), str(tmp)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -190,21 +190,48 @@ def test_unlock_waits_for_dvcs_guard_and_leaves_a_live_lock_untouched(repo):
         dead = {"pid": proc.pid, "cmd": "dvc repro"}
         lock.write_text(json.dumps({"read": {str(repo / "data" / "demos"): [live, dead]}, "write": {}}))
         done = {}
+
+        def checked():
+            try:
+                check_lock(repo)
+                done["check"] = "no stale holder"
+            except EvoError as e:
+                done["check"] = str(e)
+
         t = threading.Thread(target=lambda: done.update(pids=unlock(repo)))
-        t.start()
+        c = threading.Thread(target=checked)
+        t.start(), c.start()
         t.join(5)  # longer than one round of DVC's retries
-        assert t.is_alive() and "pids" not in done and str(proc.pid) in lock.read_text()
+        assert t.is_alive() and c.is_alive() and not done and str(proc.pid) in lock.read_text()
     finally:
         holder.stdin.close()
         holder.wait(10)
-    t.join(30)
+    t.join(30), c.join(30)
     assert done["pids"] == [proc.pid]
+    # check_lock read the file whole, before or after unlock dropped the dead holder, never half-written.
+    assert done["check"] in ("no stale holder", f"stale DVC lock {lock}: process {proc.pid} ('dvc repro') died holding {repo / 'data' / 'demos'}; "
+                                                "run `evoharness unlock` to clear it"), done
     assert json.loads(lock.read_text())["read"][str(repo / "data" / "demos")] == [live]
     assert not list(tmp.glob("rwlock.tmp.*"))
     try:
         dvc(["status", *DATA], repo)  # DVC reads what unlock wrote
     finally:
         lock.unlink()  # this process's entry would block the module's later `dvc repro`
+
+
+def test_a_lock_file_dvc_cannot_read_stops_every_command_and_is_kept_aside(repo):
+    tmp = repo / ".dvc" / "tmp"
+    tmp.mkdir(exist_ok=True)
+    lock = tmp / "rwlock"
+    for text in ('{"read": {', '["not", "a", "lock"]'):
+        lock.write_text(text)
+        with pytest.raises(EvoError, match=r"DVC lock .*rwlock is corrupt; no DVC command can run until it is removed \(`evoharness unlock`\)$"):
+            dvc(["status", *DATA], repo)
+        assert unlock(repo) == [] and not lock.exists()
+        kept = tmp / f"rwlock.corrupt.{os.getpid()}"
+        assert kept.read_text() == text  # kept aside for a look, not deleted
+        kept.unlink()
+    dvc(["status", *DATA], repo)
 
 
 def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, monkeypatch):
