@@ -293,6 +293,82 @@ def test_batched_decoding_matches_one_prompt_at_a_time(trained):
         assert max(abs(x - y) for g, r in zip(got, ref) for x, y in zip(g.logprobs, r.logprobs)) < 1e-4
 
 
+def test_fast_decoding_step_is_the_models_own_forward(trained):
+    """``fastdecode.Qwen3Step`` (the decoding step without transformers' per-call machinery) gives the
+    logits the model's forward gives, step after step, on left-padded rows; rows dropped mid-way keep
+    theirs. A model it does not cover is left to transformers."""
+    import torch
+
+    from evoharness.policies.fastdecode import Qwen3Step, supports
+    from evoharness.policies.hf import load
+
+    tok, model, _ = load(str(trained["dir"] / "sft"))
+    assert supports(model)
+    g = torch.Generator().manual_seed(0)
+    n, width = 5, 60
+    ids = torch.randint(5, len(tok), (n, width), generator=g)
+    attn = torch.ones_like(ids)
+    for i in range(n):
+        attn[i, : 9 * i] = 0  # left padding of different widths
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        past, last = out.past_key_values, pos[:, -1]
+        fast = Qwen3Step(model)
+        fast.start(past, attn, last, 12)
+        worst = 0.0
+        for s in range(10):
+            if s == 5:  # rows 1 and 3 finish: both paths drop them
+                keep = torch.tensor([0, 2, 4])
+                past.batch_select_indices(keep)
+                attn, last, ids = attn[keep], last[keep], ids[keep]
+                fast.keep(keep)
+            nxt = torch.randint(5, len(tok), (attn.size(0),), generator=g)
+            attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=torch.long)], 1)
+            last = last + 1
+            ref = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last[:, None], past_key_values=past, use_cache=True)
+            past = ref.past_key_values
+            mine = fast.step(nxt)
+            assert mine.shape == ref.logits[:, -1].shape
+            worst = max(worst, float((mine - ref.logits[:, -1].float()).abs().max()))
+    assert worst < 1e-4, worst
+    model.config.use_sliding_window = True
+    try:
+        assert not supports(model)
+    finally:
+        model.config.use_sliding_window = False
+
+
+def test_fast_batched_decoding_gives_the_tokens_of_transformers_decoding(trained):
+    """The decoder's fast path (the prompts' shared head encoded once, steps by ``Qwen3Step``) decodes
+    the tokens transformers' own path decodes, greedy and seeded, for prompts of different lengths."""
+    import threading
+
+    from evoharness.policies.batched import BatchedGenerator
+    from evoharness.policies.hf import load
+
+    tok, model, _ = load(str(trained["dir"] / "sft"))
+    prompts = _demo_prompts(trained["dir"], 6)
+    assert len({len(tok(p)["input_ids"]) for p, _ in prompts}) > 1
+    for sample in (False, True):
+        outs = {}
+        for fast in (False, True):
+            b = BatchedGenerator(model, tok, sample, 1.0, 16, constrained=True, fast=fast)
+            got: list = [None] * len(prompts)
+
+            def go(i):
+                got[i] = b(prompts[i][0], seed=20 + i, view=prompts[i][1])
+
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            assert b.batches < len(prompts)
+            assert (b.stepper is not None) == fast and bool(b._heads) == fast  # the fast run used a shared head
+            outs[fast] = got
+        assert [g.completion_ids for g in outs[True]] == [g.completion_ids for g in outs[False]]
+        assert max(abs(x - y) for a, r in zip(outs[True], outs[False]) for x, y in zip(a.logprobs, r.logprobs)) < 1e-4
+
+
 def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tmp_path):
     """``pretrain_epochs``: language modelling on the demos' prompts before SFT. The replies are
     never in its data, and the pretrained base predicts held-in prompt text better than the seed."""

@@ -192,39 +192,99 @@ class BatchedGenerator(Batcher):
     """Decodes with a transformers causal LM (the live training weights in GRPO)."""
 
     def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
-                 max_batch: int = 32, wait_s: float = 0.08):
+                 max_batch: int = 32, wait_s: float = 0.08, fast: bool = True):
         super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
         self.model = model
+        from evoharness.policies import fastdecode
+
+        # Qwen3 steps skip transformers' per-call cost (fastdecode's docstring); other models decode through it
+        self.stepper = fastdecode.Qwen3Step(model) if (fast and fastdecode.supports(model)) else None
+        # The prompts' shared head (the system text, about half of a tiny-profile prompt) is encoded once per
+        # generator, whose weights do not change while it lives (GRPO makes one per batch of rollouts).
+        self.prefix = fast
+        self._heads: dict[tuple[int, ...], list] = {}
+
+    MIN_SHARED = 16  # fewer shared ids than this are not worth a head
+
+    def _head(self, ids: list[int]) -> tuple[int, list]:
+        """A head for prompts that all begin with ``ids``: (its length, each layer's (keys, values) at
+        positions 0.., batch of one). The longest head already encoded that fits is reused (a batch whose
+        rows share more than the system text, all first turns say, does not make a new one), else ``ids``
+        is encoded."""
+        fits = [h for h in self._heads if len(h) <= len(ids) and tuple(ids[: len(h)]) == h]
+        if fits:
+            h = max(fits, key=len)
+            return len(h), self._heads[h]
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), use_cache=True, logits_to_keep=1)
+        got = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        if len(self._heads) >= 8:  # a few system texts at most (one per set of enabled verbs)
+            self._heads.clear()
+        self._heads[tuple(ids)] = got
+        return len(ids), got
+
+    def _shared(self, batch: list[_Request]) -> int:
+        """How many leading ids every row shares (each row keeps at least one of its own); 0 when too few
+        to bother, or for a single row (nothing to share)."""
+        if not self.prefix or len(batch) < 2:
+            return 0
+        first, p = batch[0].ids, min(len(r.ids) for r in batch) - 1
+        for r in batch[1:]:
+            k = 0
+            while k < p and r.ids[k] == first[k]:
+                k += 1
+            p = k
+        return p if p >= self.MIN_SHARED else 0
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         import torch
+        from transformers import DynamicCache
 
         device = self.model.device
         n = len(batch)
-        width = max(len(r.ids) for r in batch)
+        shared = self._shared(batch)
+        head = None
+        if shared:
+            shared, head = self._head(batch[0].ids[:shared])
+        width = max(len(r.ids) for r in batch) - shared
         input_ids = torch.full((n, width), self.pad, dtype=torch.long, device=device)
         attn = torch.zeros((n, width), dtype=torch.long, device=device)
         for i, r in enumerate(batch):
-            input_ids[i, width - len(r.ids) :] = torch.tensor(r.ids, device=device)
-            attn[i, width - len(r.ids) :] = 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            input_ids[i, width - len(r.ids) + shared :] = torch.tensor(r.ids[shared:], device=device)
+            attn[i, width - len(r.ids) + shared :] = 1
+        pos = shared + (attn.cumsum(-1) - 1).clamp(min=0)
         gens = [torch.Generator().manual_seed(int(r.seed)) if (self.sample and r.seed is not None) else None for r in batch]
         comps: list[list[int]] = [[] for _ in batch]
         logps: list[list[float]] = [[] for _ in batch]
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True)
+            past = None
+            if shared:  # [shared head | left padding | each row's own ids]: padding may sit inside, the mask says where
+                past = DynamicCache(config=self.model.config)
+                for li, (k, v) in enumerate(head):
+                    past.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), li)
+                attn = torch.cat([torch.ones((n, shared), dtype=torch.long, device=device), attn], 1)
+            # only the last position's logits: the prompt's others are never read
+            out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=past, use_cache=True,
+                             logits_to_keep=1)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             last_pos = pos[:, -1]
+            step = self.stepper
+            if step is not None:
+                step.start(past, attn, last_pos, self.max_new_tokens)
+                past = None
             rows = list(range(n))  # batch rows still decoding, in the order of the cache's rows
             for _ in range(self.max_new_tokens):
                 scores = logits / self.temperature if self.sample else logits
                 allowed = torch.ones_like(scores, dtype=torch.bool)
                 for k, i in enumerate(rows):
                     c = batch[i].constraint
-                    if c is not None:
-                        allowed[k] = False
-                        allowed[k, torch.tensor(c.allowed(comps[i]), device=device)] = True
+                    if c is not None:  # the tokenizer's ids; a model's padded vocabulary beyond them is never allowed
+                        m = c.mask(comps[i])
+                        allowed[k, : m.numel()] = m.to(device)
+                        allowed[k, m.numel() :] = False
                 lp = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
                 if self.sample:
                     probs = lp.exp().cpu()
@@ -243,9 +303,15 @@ class BatchedGenerator(Batcher):
                 nxt = torch.tensor([picks[k] for k in keep], dtype=torch.long, device=device)
                 if len(keep) < len(rows):  # finished rows leave the batch and its cache
                     idx = torch.tensor(keep, dtype=torch.long, device=device)
-                    past.batch_select_indices(idx)
-                    attn, last_pos = attn[idx], last_pos[idx]
+                    if step is not None:
+                        step.keep(idx)
+                    else:
+                        past.batch_select_indices(idx)
+                        attn, last_pos = attn[idx], last_pos[idx]
                     rows = [rows[k] for k in keep]
+                if step is not None:
+                    logits = step.step(nxt)
+                    continue
                 attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long, device=device)], 1)
                 last_pos = last_pos + 1
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None], past_key_values=past, use_cache=True)

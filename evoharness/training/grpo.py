@@ -247,8 +247,7 @@ def constraint_masks(tok, completions: list[list[int]], specs: list, budget: int
         if not c.active:
             continue
         for j in range(min(len(comp), width)):
-            masks[i, j] = False
-            masks[i, j, c.allowed(list(comp[:j]))] = True
+            masks[i, j] = c.mask(list(comp[:j]))
     return masks
 
 
@@ -263,7 +262,8 @@ def constrained_logps(model, input_ids, attention_mask, logits_to_keep: int, mas
     logps, ents = [], []
     for start in range(0, input_ids.size(0), bs):
         ids, am = input_ids[start : start + bs], attention_mask[start : start + bs]
-        logits = model(input_ids=ids, attention_mask=am).logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
+        # the model projects only the positions scored (the prompt's logits were most of the head's cost)
+        logits = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1).logits[:, :-1, :].float() / temperature
         m = masks[start : start + bs].to(logits.device)[..., : logits.size(-1)]
         logp = torch.log_softmax(logits.masked_fill(~m, float("-inf")), dim=-1)
         logps.append(logp.gather(-1, ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1))
