@@ -13,7 +13,7 @@ import json, sys
 from evoharness.alfworld.engine import Engine
 eng = Engine(speedups={speedups})
 out = []
-for path in sys.argv[1:]:
+for path in sys.argv[1:]:  # the first game comes again last: a reset of a game translated before
     s = eng.reset(path, 3)
     out.append([s.observation, s.admissible, s.expert_action])
     for cmd in json.load(open(path))["walkthrough"] + ["look", "inventory"]:
@@ -27,7 +27,7 @@ def test_speedups_do_not_change_transcripts(games_root):
     paths = [g.path for g in list_games(games_root, "valid_unseen")][:3]
     outs = []
     for flag in (False, True):
-        r = subprocess.run([sys.executable, "-c", SCRIPT.format(speedups=flag), *paths], capture_output=True, text=True, check=True)
+        r = subprocess.run([sys.executable, "-c", SCRIPT.format(speedups=flag), *paths, paths[0]], capture_output=True, text=True, check=True)
         outs.append(json.loads(r.stdout))
     assert outs[0] == outs[1]
     assert len(outs[0]) > 10

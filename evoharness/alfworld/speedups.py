@@ -6,7 +6,8 @@ the same few grammar strings and ~30% deep-copying derivation contexts. The patc
 * parse each grammar string and each conjunctive query once, hand out copies of the result;
 * copy a context's ``variables`` and ``mapping`` dicts shallowly (their values, EntityInfo and
   Variable objects, are never mutated by the derivation; only the dicts are updated);
-* copy a symbol without dragging its old context through ``deepcopy``.
+* copy a symbol without dragging its old context through ``deepcopy``;
+* translate each recent PDDL problem to SAS once per worker (a load and every reset translated it again).
 
 ``tests/test_engine.py`` checks that transcripts are identical with and without them.
 """
@@ -70,4 +71,25 @@ def apply() -> None:
         return dup
 
     textgen.Symbol.copy = symbol_copy
+
+    # Loading a game builds its PDDL state and every reset builds it again; each build translates the
+    # problem to SAS twice (fast_downward.pddl2sas, ~70 % of a reset). The translation depends only on
+    # its arguments and its result is only read, so a worker translates each recent problem once.
+    from textworld.envs.pddl import logic as pddl_logic
+
+    downward = pddl_logic.fast_downward
+    original_pddl2sas = downward.pddl2sas
+    sas_cache: dict = {}
+
+    def cached_pddl2sas(domain, problem, verbose=False, optimize=False):
+        key = (domain, problem, bool(verbose), bool(optimize))
+        got = sas_cache.pop(key, None)
+        if got is None:
+            got = original_pddl2sas(domain, problem, verbose=verbose, optimize=optimize)
+        sas_cache[key] = got  # most recent last
+        while len(sas_cache) > 16:  # 8 games (two translations each): a worker's share of an evaluation's games
+            sas_cache.pop(next(iter(sas_cache)))
+        return got
+
+    downward.pddl2sas = cached_pddl2sas
     _APPLIED = True
