@@ -233,6 +233,21 @@ def _demo_prompts(d: Path, n: int):
     return out
 
 
+def _decode_together(gen, prompts: list, seed: int) -> list:
+    """Each prompt asked from its own thread at once, as episode threads ask (prompt i with seed ``seed + i``)."""
+    import threading
+
+    got: list = [None] * len(prompts)
+
+    def go(i):
+        got[i] = gen(prompts[i][0], seed=seed + i, view=prompts[i][1])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return got
+
+
 def test_constrained_decoding_gives_a_legal_action_even_from_random_weights(trained):
     """The untrained base samples garbage freely; under the constraint every response parses and
     its action is an admissible command or a meta-verb, within the token budget."""
@@ -269,8 +284,6 @@ def test_constrained_decoding_gives_a_legal_action_even_from_random_weights(trai
 def test_batched_decoding_matches_one_prompt_at_a_time(trained):
     """Batching changes the speed, not the tokens: greedy and seeded sampling give what ``Sampler``
     gives for each prompt alone (logprobs equal up to float rounding)."""
-    import threading
-
     from evoharness.policies.batched import BatchedGenerator
     from evoharness.policies.hf import Sampler, load
 
@@ -279,15 +292,7 @@ def test_batched_decoding_matches_one_prompt_at_a_time(trained):
     for sample in (False, True):
         one = Sampler(model, tok, sample, 1.0, 16, lock, constrained=True)
         ref = [one(p, seed=10 + i, view=v) for i, (p, v) in enumerate(prompts)]
-        b = BatchedGenerator(model, tok, sample, 1.0, 16, constrained=True)
-        got: list = [None] * len(prompts)
-
-        def go(i):
-            got[i] = b(prompts[i][0], seed=10 + i, view=prompts[i][1])
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        got = _decode_together(BatchedGenerator(model, tok, sample, 1.0, 16, constrained=True), prompts, 10)
         assert [g.completion_ids for g in got] == [r.completion_ids for r in ref]
         assert [g.prompt_ids for g in got] == [r.prompt_ids for r in ref]
         assert max(abs(x - y) for g, r in zip(got, ref) for x, y in zip(g.logprobs, r.logprobs)) < 1e-4
@@ -342,8 +347,6 @@ def test_fast_decoding_step_is_the_models_own_forward(trained):
 def test_fast_batched_decoding_gives_the_tokens_of_transformers_decoding(trained):
     """The decoder's fast path (the prompts' shared head encoded once, steps by ``Qwen3Step``) decodes
     the tokens transformers' own path decodes, greedy and seeded, for prompts of different lengths."""
-    import threading
-
     from evoharness.policies.batched import BatchedGenerator
     from evoharness.policies.hf import load
 
@@ -354,14 +357,7 @@ def test_fast_batched_decoding_gives_the_tokens_of_transformers_decoding(trained
         outs = {}
         for fast in (False, True):
             b = BatchedGenerator(model, tok, sample, 1.0, 16, constrained=True, fast=fast)
-            got: list = [None] * len(prompts)
-
-            def go(i):
-                got[i] = b(prompts[i][0], seed=20 + i, view=prompts[i][1])
-
-            threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
+            got = _decode_together(b, prompts, 20)
             assert b.batches < len(prompts)
             assert (b.stepper is not None) == fast and bool(b._heads) == fast  # the fast run used a shared head
             outs[fast] = got
