@@ -248,6 +248,78 @@ def _decode_together(gen, prompts: list, seed: int) -> list:
     return got
 
 
+def test_shared_head_training_forward_is_the_plain_forward(trained):
+    """``shared_head.install`` runs the prompts' shared system text once per batch in training
+    forwards: the loss and every gradient equal the plain forward's up to float rounding, on
+    right-padded rows (SFT, pretraining) and on left-padded prompts with right-padded completions
+    (GRPO's scoring); the head is really shared; generation, a single row and rows sharing too little
+    take the plain path; a model it does not cover is left alone."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evoharness.chat_format import render
+    from evoharness.training import shared_head
+
+    d = trained["dir"] / "sft"
+    tok = AutoTokenizer.from_pretrained(d)
+    plain = AutoModelForCausalLM.from_pretrained(d).train()
+    mine = copy.deepcopy(plain)
+    assert shared_head.install(mine) and shared_head.install(mine)  # idempotent
+    rows = [tok(render(tok, p), add_special_tokens=False)["input_ids"] for p, _ in _demo_prompts(trained["dir"], 5)]
+    head = shared_head.MIN_SHARED
+    assert all(r[:head] == rows[0][:head] for r in rows)
+    used: list = []
+    real = shared_head.shared_forward
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        used.append(out is not None)
+        return out
+
+    def run(model, ids, attn, **kw):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **kw).logits
+        keep = attn[:, -logits.size(1):].bool()
+        loss = torch.log_softmax(logits.float(), -1)[keep][:, 7].sum()  # every kept position's logits feed it
+        loss.backward()
+        return logits[keep].detach(), [p.grad.clone() for p in model.parameters()]
+
+    width = max(len(r) for r in rows) + 3
+    for side in ("right", "left"):
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            s = 0 if side == "right" else width - len(r) - i % 2  # left padding, and right padding behind some rows
+            ids[i, s : s + len(r)] = torch.tensor(r)
+            attn[i, s : s + len(r)] = 1
+        for kw in ({}, {"logits_to_keep": 9}):
+            ref_logits, ref_grads = run(plain, ids, attn, **kw)
+            shared_head.shared_forward = spy
+            try:
+                got_logits, got_grads = run(mine, ids, attn, **kw)
+            finally:
+                shared_head.shared_forward = real
+            assert used.pop() is True, side
+            assert float((got_logits - ref_logits).abs().max()) < 1e-4, side
+            scale = max(float(g.abs().max()) for g in ref_grads)
+            assert max(float((a - b).abs().max()) for a, b in zip(got_grads, ref_grads)) < 1e-5 * scale, side
+    shared_head.shared_forward = spy
+    try:
+        with torch.no_grad():
+            mine(input_ids=ids, attention_mask=attn)  # generation's prefill: use_cache, plain path
+            mine(input_ids=ids[:1], attention_mask=attn[:1], use_cache=False)  # one row: nothing to share
+            other = ids.clone()
+            other[1, int((attn[1] == 0).sum()) + 2] = (other[1, int((attn[1] == 0).sum()) + 2] + 1) % len(tok)
+            mine(input_ids=other, attention_mask=attn, use_cache=False)  # rows part after 2 tokens
+    finally:
+        shared_head.shared_forward = real
+    assert used == [False]  # only the last call reached it, and it declined
+    mine.config.use_sliding_window = True
+    assert not shared_head.applies(mine)
+
+
 def test_constrained_decoding_gives_a_legal_action_even_from_random_weights(trained):
     """The untrained base samples garbage freely; under the constraint every response parses and
     its action is an admissible command or a meta-verb, within the token budget."""

@@ -33,6 +33,12 @@ def under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or "ACCELERATE_PROCESS_ID" in os.environ
 
 
+def single_process(profile: Profile) -> bool:
+    """Training runs in this one process, on its own (no launcher, no DeepSpeed): a model's modules may
+    then be called directly, as ``shared_head`` does."""
+    return not under_launcher() and profile.num_processes == 1 and not profile.deepspeed_config
+
+
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

@@ -263,7 +263,7 @@ def constrained_logps(model, input_ids, attention_mask, logits_to_keep: int, mas
     for start in range(0, input_ids.size(0), bs):
         ids, am = input_ids[start : start + bs], attention_mask[start : start + bs]
         # the model projects only the positions scored (the prompt's logits were most of the head's cost)
-        logits = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1).logits[:, :-1, :].float() / temperature
+        logits = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, use_cache=False).logits[:, :-1, :].float() / temperature
         m = masks[start : start + bs].to(logits.device)[..., : logits.size(-1)]
         logp = torch.log_softmax(logits.masked_fill(~m, float("-inf")), dim=-1)
         logps.append(logp.gather(-1, ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1))
@@ -360,6 +360,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     from trl import GRPOConfig, GRPOTrainer
 
     from evoharness.training import distributed as dist
+    from evoharness.training import shared_head
     from evoharness.training.checkpoint import check_checkpoint, load_for_training, weights_digest
     from evoharness.training.sft import checkpoint_key, file_digest, keyed_checkpoints, last_checkpoint, save_trained
 
@@ -450,6 +451,10 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         trainer = Trainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
                           processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
         trainer.constraint_budget = g.max_new_tokens
+        if dist.single_process(profile) and not g.lora:  # the prompts' system text runs once per batch (shared_head's docstring)
+            for m in (trainer.model, trainer.ref_model):
+                if m is not None:
+                    shared_head.install(m)
         t0 = time.time()
         result = trainer.train(resume_from_checkpoint=resume)
         wall = time.time() - t0

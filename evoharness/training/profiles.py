@@ -65,6 +65,8 @@ class SFTSpec(_Strict):
     bf16: bool = False
     gradient_checkpointing: bool = False
     threads: int = 2
+    group_by_length: bool = Field(True, description="batches of rows of similar length (transformers' LengthGroupedSampler): "
+                                  "less padding; the order is still drawn from the seed")
 
 
 class GRPOSpec(_Strict):

@@ -95,6 +95,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     from trl import SFTConfig, SFTTrainer
 
     from evoharness.training import distributed as dist
+    from evoharness.training import shared_head
     from evoharness.training.checkpoint import check_checkpoint, load_for_training, resolve_checkpoint, weights_digest
 
     s = profile.sft
@@ -134,12 +135,15 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         gradient_checkpointing=s.gradient_checkpointing,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        train_sampling_strategy="group_by_length" if s.group_by_length else "random",
     )
     if dist.is_main():
         keyed_checkpoints(ckroot, **key_parts)
     dist.wait_for_everyone()
     tok = AutoTokenizer.from_pretrained(base_dir)
     model, loaded_partitioned, peft_config = load_for_training(base_dir, profile.base.dtype, s.lora, s.lora_r, s.lora_alpha)
+    if dist.single_process(profile) and not s.lora:
+        shared_head.install(model)  # the rows' system text runs once per batch (shared_head's docstring)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=to_dataset(train_df, tok),
                          eval_dataset=to_dataset(val_df, tok) if len(val_df) else None, processing_class=tok, peft_config=peft_config)
     resume = last_checkpoint(ckpts)

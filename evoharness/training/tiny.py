@@ -121,26 +121,25 @@ def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
     import torch
 
     from evoharness.chat_format import render
+    from evoharness.training import shared_head
 
     torch.set_num_threads(max(1, int(cfg.get("threads", 2))))
     torch.manual_seed(seed)
     seqs = [tok(render(tok, p), add_special_tokens=False)["input_ids"][: cfg["max_length"]] for p in prompts]
     batch, lr = 16, float(cfg.get("pretrain_lr", 3e-3))
-    order = list(range(len(seqs)))
     steps = max(1, math.ceil(cfg["pretrain_epochs"] * len(seqs) / batch))
     warmup = max(1, steps // 10)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
     rng = random.Random(seed)
+    shared_head.install(model)  # the system text runs once per batch (shared_head's docstring)
     model.train()
-    t0, losses, tokens, k = time.time(), [], 0, len(order)
+    t0, losses, tokens, plan = time.time(), [], 0, []
     for step in range(steps):
-        if k + batch > len(order):
-            rng.shuffle(order)
-            k = 0
-        rows = [seqs[i] for i in order[k : k + batch]]
-        k += batch
+        if not plan:
+            plan = length_grouped([len(x) for x in seqs], batch, rng)
+        rows = [seqs[i] for i in plan.pop()]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -148,7 +147,7 @@ def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
             ids[j, : len(r)] = torch.tensor(r)
             mask[j, : len(r)] = 1
         labels = ids.masked_fill(mask == 0, -100)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -160,6 +159,21 @@ def pretrain(model, tok, prompts: list[str], cfg: dict, seed: int) -> dict:
     wall = time.time() - t0
     return {"prompts": len(prompts), "epochs": cfg["pretrain_epochs"], "steps": steps, "first_loss": round(losses[0], 4),
             "last_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4), "tokens_per_s": round(tokens / max(wall, 1e-6), 1), "seconds": round(wall, 1)}
+
+
+def length_grouped(lengths: list[int], batch: int, rng, mega: int = 50) -> list[list[int]]:
+    """One pass over the rows as batches of similar length, as transformers' LengthGroupedSampler
+    makes them: a random order cut into groups of ``mega`` batches, each group sorted by length and
+    cut into batches, the batches in random order. Padding falls from about 16 % of a batch's
+    tokens to about 1 %; every row is used once per pass."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    out = []
+    for g in range(0, len(order), batch * mega):
+        group = sorted(order[g : g + batch * mega], key=lambda i: -lengths[i])
+        out += [group[k : k + batch] for k in range(0, len(group), batch)]
+    rng.shuffle(out)
+    return out
 
 
 def roundtrip_ok(tok, text: str) -> bool:
