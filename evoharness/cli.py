@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -529,13 +529,19 @@ def promotions(
         typer.echo(f"{r['model']:<32} {r['version']:>4} {r['decision']:<9} {r['seen']:>6} {r['unseen']:>6} {r['aliases']:<20} {r['reasons']}")
 
 
-def main() -> None:
+def main(before_exit: Optional[Callable[[], None]] = None) -> None:
+    """Run the app; an ``EvoError`` ends it with one line on stderr, which is its last line: ``before_exit``
+    (the flows' command drains Prefect's background services with it) runs before that line is written."""
     try:
         app()
     except EvoError as e:
+        if before_exit:
+            before_exit()
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2)
     except KeyboardInterrupt:
+        if before_exit:
+            before_exit()
         typer.echo("error: interrupted (finished episodes are saved; rerun to resume)", err=True)
         raise SystemExit(130)
 

@@ -48,8 +48,21 @@ def deploy():
     run_deploy(repo_root(Path.cwd()), echo=typer.echo)
 
 
+def _drain_prefect() -> None:
+    """Flush the events a failed flow left queued now, so that Prefect's exit-time drain ("Still processing
+    items...") does not print after the error line."""
+    import sys
+
+    for module, name in (("prefect.events.worker", "EventsWorker"), ("prefect.logging.handlers", "APILogWorker")):
+        if module in sys.modules:
+            try:
+                getattr(sys.modules[module], name).drain_all(timeout=30, at_exit=False)
+            except Exception:  # noqa: BLE001 - best effort: the error line is what matters
+                pass
+
+
 def main() -> None:
-    _main()
+    _main(before_exit=_drain_prefect)
 
 
 if __name__ == "__main__":
