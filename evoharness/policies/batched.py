@@ -189,7 +189,10 @@ class Batcher:
 
 
 class BatchedGenerator(Batcher):
-    """Decodes with a transformers causal LM (the live training weights in GRPO)."""
+    """Decodes with a transformers causal LM (the live training weights in GRPO).
+
+    The weights must not change while a generator lives: it caches the keys and values of the prompts'
+    shared head, which an optimizer step would leave stale. GRPO makes a new one for each batch of rollouts."""
 
     def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
                  max_batch: int = 32, wait_s: float = 0.08, fast: bool = True):
