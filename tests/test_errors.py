@@ -125,6 +125,21 @@ def test_cli_errors_are_one_line(games_root, tmp_path):
     assert r.returncode == 2 and "--mode: unknown mode 'sometimes'" in r.stderr
 
 
+def test_the_error_line_comes_after_the_exit_hook(games_root, monkeypatch, capsys):
+    """The flows' command drains Prefect's queues in ``before_exit``: whatever that prints must come before
+    the one-line error, which stays the last line of stderr (CI once saw Prefect's exit warning after it)."""
+    from evoharness.cli import main
+
+    def hook():
+        print("prefect: draining", file=sys.stderr)
+
+    monkeypatch.setattr(sys, "argv", ["evoharness", "evaluate", "--games", str(games_root), "--policy", "gpt5"])
+    with pytest.raises(SystemExit) as e:
+        main(before_exit=hook)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and lines == ["prefect: draining", "error: unknown policy 'gpt5' (known: teacher, random, chat, hf)"]
+
+
 class _Chat(BaseHTTPRequestHandler):
     seen: list = []
 
