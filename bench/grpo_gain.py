@@ -60,6 +60,23 @@ def fresh_games(out: Path, split: str, per_family: int, seed: int) -> Path:
     return root
 
 
+def this_run(episodes: Path, games: list, seeds: list[int], spec, cfg, bank) -> dict[str, int]:
+    """Won (1) or not (0) per episode of this model on these games, from its episodes file. The file also keeps
+    the records of earlier evaluations in the same folder (another model under the same label, another bank),
+    so only the episodes whose fingerprint this evaluation asked for are read (an errored one counts as lost, as in
+    the gate); one missing stops the bench."""
+    from evoharness.episode import fingerprint
+    from evoharness.policies import make_policy
+
+    policy = make_policy(spec)
+    wanted = {fingerprint(g, s, policy, cfg, bank) for s in seeds for g in games}
+    eps = [json.loads(x) for x in episodes.read_text().splitlines() if x.strip()]
+    got = {e["episode_id"]: int(bool((e.get("outcome") or {}).get("won"))) for e in eps if e.get("fingerprint") in wanted}
+    if len(got) != len(wanted):
+        raise SystemExit(f"error: {episodes}: {len(got)} of this evaluation's {len(wanted)} episodes are there")
+    return got
+
+
 def paired(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float, float, float]:
     """On the games both played: (games only b won, games only a won, b − a in points, 1.96 paired standard
     errors in points, McNemar's exact one-sided p that b is better)."""
@@ -109,10 +126,10 @@ def main() -> None:
             for label, path, bank in models:
                 t = time.time()
                 cfg, spec = eval_setup(p, prof, path, "inline")
-                evaluate(games, spec, cfg, list(p.eval.seeds), args.out / "eval" / label / split, prof.episode_workers,
-                         Experience.load(bank), pool=pool)
-                eps = [json.loads(x) for x in (args.out / "eval" / label / split / "episodes.jsonl").read_text().splitlines() if x.strip()]
-                outcomes[(label, split)] = {e["episode_id"]: int(bool((e.get("outcome") or {}).get("won"))) for e in eps}
+                b = Experience.load(bank)
+                evaluate(games, spec, cfg, list(p.eval.seeds), args.out / "eval" / label / split, prof.episode_workers, b, pool=pool)
+                outcomes[(label, split)] = this_run(args.out / "eval" / label / split / "episodes.jsonl", games, list(p.eval.seeds), spec, cfg, b)
+                eps = outcomes[(label, split)]
                 w = sum(outcomes[(label, split)].values())
                 print(f"{label} {split}: {w}/{len(eps)} ({time.time() - t:.0f} s)", flush=True)
     ref = models[0][0]
