@@ -137,6 +137,13 @@ def evidence_from_dirs(label: str, split_dirs: dict[str, Path], games_md5: str) 
         records, bad = read_jsonl(Path(d) / "episodes.jsonl")
         if bad or not records:
             raise EvoError(f"promotion: {Path(d) / 'episodes.jsonl'} has {len(bad)} unreadable line(s) and {len(records)} episodes")
+        # evaluate() keeps the records of earlier evaluations in the same folder after its own: evidence mixed
+        # with another model's episodes is refused, never read game by game
+        played = res.get("games", 0) * len(res.get("seeds") or [])
+        keys = {(r.get("game_id"), r.get("seed")) for r in records}
+        if len(records) != played or len(keys) != len(records):
+            raise EvoError(f"promotion: {Path(d) / 'episodes.jsonl'} holds {len(records)} episodes ({len(keys)} distinct game and seed pairs) "
+                           f"where {Path(d) / 'results.json'} played {played}: episodes of another evaluation are in that folder")
         summary[split] = res.get("summary") or {}
         outcomes[split] = {f"{r['game_id']}#s{r['seed']}": int(bool(r.get("outcome", {}).get("won")) and not r.get("error")) for r in records}
         errored += sum(bool(r.get("error")) for r in records)

@@ -255,3 +255,22 @@ def test_two_projects_in_one_process_each_log_to_their_own_store(mlflow_template
         c = tracking.client(tmp_path / name)
         runs = c.search_runs([tracking.experiment_id(c, tmp_path / name)], "")
         assert [r.info.run_id for r in runs] == [ids[name]]
+
+
+def test_evidence_mixed_with_another_evaluations_episodes_is_refused(tmp_path):
+    """evaluate() keeps earlier runs' records after its own in episodes.jsonl: the gate reads an evaluation
+    only when the file holds exactly the episodes its results.json played, one per game and seed."""
+    d = tmp_path / "valid_seen"
+    d.mkdir()
+    res = {"policy": "hf:m", "policy_fingerprint": "hf:v3:abc:False:1.0:32:constrained", "split": ["valid_seen"], "seeds": [0], "games": 2,
+           "episode_config": {"max_steps": 40, "max_turns": 80, "harness": {"mode": "inline", "charge_meta_actions": False}},
+           "summary": {"all": {"success": 0.5, "episodes": 2, "wins": 1}}}
+    (d / "results.json").write_text(json.dumps(res))
+    own = [{"game_id": f"valid_seen/g{i}", "seed": 0, "fingerprint": f"new{i}", "outcome": {"won": i == 0}} for i in range(2)]
+    (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
+    e = promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+    assert e.outcomes["valid_seen"] == {"valid_seen/g0#s0": 1, "valid_seen/g1#s0": 0}
+    other = {"game_id": "valid_seen/g1", "seed": 0, "fingerprint": "old1", "outcome": {"won": True}}  # another model's episode
+    (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own + [other]))
+    with pytest.raises(EvoError, match=r"holds 3 episodes \(2 distinct game and seed pairs\) where .*results.json played 2"):
+        promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
