@@ -128,10 +128,8 @@ def main() -> None:
                 cfg, spec = eval_setup(p, prof, path, "inline")
                 b = Experience.load(bank)
                 evaluate(games, spec, cfg, list(p.eval.seeds), args.out / "eval" / label / split, prof.episode_workers, b, pool=pool)
-                outcomes[(label, split)] = this_run(args.out / "eval" / label / split / "episodes.jsonl", games, list(p.eval.seeds), spec, cfg, b)
-                eps = outcomes[(label, split)]
-                w = sum(outcomes[(label, split)].values())
-                print(f"{label} {split}: {w}/{len(eps)} ({time.time() - t:.0f} s)", flush=True)
+                o = outcomes[(label, split)] = this_run(args.out / "eval" / label / split / "episodes.jsonl", games, list(p.eval.seeds), spec, cfg, b)
+                print(f"{label} {split}: {sum(o.values())}/{len(o)} ({time.time() - t:.0f} s)", flush=True)
     ref = models[0][0]
     print(f"\n| model | split | wins | success % [95 % CI] | − {ref}, points [±1.96 paired SE] | only it / only {ref} won | McNemar p (better) |")
     print("|---|---|---|---|---|---|---|")
