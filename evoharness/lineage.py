@@ -52,11 +52,39 @@ def _last_error(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def git(args: list[str], cwd: Path, check: bool = True) -> str:
-    r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+def git(args: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> str:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    except FileNotFoundError:
+        raise EvoError("git is not installed (not on PATH): the project is a git repository and every retrain is recorded in git; "
+                       "install it (`apt-get install git`)") from None
     if check and r.returncode != 0:
         raise EvoError(redact(f"git {' '.join(args)} in {cwd}: {_last_error(r.stderr or r.stdout)}"))
     return r.stdout.strip()
+
+
+# The identity a retrain's git record is committed as when none is configured here (a fresh server, a
+# container, a CI runner): passed to each command in its environment, never written to any git config.
+RECORD_NAME, RECORD_EMAIL = "evoharness", "retrain@localhost"
+_EMAIL_VARS = ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL", "EMAIL")
+
+
+def record_identity(root: Path) -> tuple[dict[str, str], str]:
+    """(environment variables, who) for committing a retrain's record in ``root``. A configured identity
+    (an email in git's config or in the environment, and git able to form the author and committer from
+    it, as ``git commit`` would) is used as it is; otherwise ``evoharness <retrain@localhost>``, never one
+    git guessed from the host's name."""
+    def var(name: str) -> str | None:
+        r = subprocess.run(["git", "var", name], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    configured = bool(git(["config", "user.email"], root, check=False)) or any(os.environ.get(v, "").strip() for v in _EMAIL_VARS)
+    if configured:
+        author, committer = var("GIT_AUTHOR_IDENT"), var("GIT_COMMITTER_IDENT")
+        if author and committer:
+            return {}, committer.rsplit(">", 1)[0] + "> (the git identity configured here)"
+    env = {"GIT_AUTHOR_NAME": RECORD_NAME, "GIT_AUTHOR_EMAIL": RECORD_EMAIL, "GIT_COMMITTER_NAME": RECORD_NAME, "GIT_COMMITTER_EMAIL": RECORD_EMAIL}
+    return env, f"{RECORD_NAME} <{RECORD_EMAIL}> (no git identity is configured here)"
 
 
 def dvc_config(root: Path):
@@ -345,7 +373,11 @@ def ensure_remote(root: Path, url: str | None = None) -> str:
         return found[0]
     target = url or os.environ.get("EVOHARNESS_DVC_REMOTE") or str(DEFAULT_REMOTE)
     if "://" not in target:
-        Path(target).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(target).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise EvoError(f"cannot create the local DVC remote {target} ({e.strerror or type(e).__name__}); set HOME to a writable "
+                           "folder, or name a remote with EVOHARNESS_DVC_REMOTE or `evoharness remote --url`") from None
     remotes = dvc(["remote", "list"], root)
     verb = "modify" if any(line.split()[0] == "local" for line in remotes.splitlines() if line.strip()) else "add"
     if verb == "add":

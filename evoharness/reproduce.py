@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from evoharness.errors import EvoError
-from evoharness.lineage import dvc, git, is_network_url, lock_outs, parse_lock, redact, repo_root
+from evoharness.lineage import dvc, git, is_network_url, lock_outs, parse_lock, record_identity, redact, repo_root
 
 RECORD_PREFIX = "retrain/"
 # Metrics a stage may report differently on a rerun when its output is not bitwise identical
@@ -46,7 +46,7 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
 
     root = Path(root)
     index = Path(tempfile.mkdtemp(prefix="evoharness-record-")) / "index"
-    env = dict(os.environ, GIT_INDEX_FILE=str(index))
+    env = dict(os.environ, GIT_INDEX_FILE=str(index), **record_identity(root)[0])
 
     def g(*args: str) -> str:
         r = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True)
@@ -81,7 +81,8 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
     origin = git(["config", "--get", "remote.origin.url"], root, check=False)
     if push and origin and is_network_url(origin):
         for attempt in range(3):
-            r = subprocess.run(["git", "push", "-q", "-f", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True)
+            r = subprocess.run(["git", "push", "-q", "-f", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True,
+                               env=dict(os.environ, GIT_TERMINAL_PROMPT="0"))
             if r.returncode == 0:
                 break
             time.sleep(2 * (attempt + 1))

@@ -27,11 +27,15 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no internet here; its failures are noise
     from evoharness.lineage import repo_root
     from evoharness.pipeline import print_results
+    from evoharness.preflight import check_git, writable_dir
     from flows.common import check_prefect
 
+    check_git()
     root = repo_root(Path.cwd())
     api = check_prefect(required=bool(pool))  # a pool's workers reach the same server: ephemeral mode cannot dispatch
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    if api is None:  # ephemeral mode keeps its database there: a fresh HOME has none yet, an unwritable one is refused here
+        writable_dir(Path(home), "Prefect's home (PREFECT_HOME)")
     typer.echo(f"Prefect: {api or f'ephemeral mode (a local server for this run, database in {home})'}")
     from flows.retrain import retrain
 
