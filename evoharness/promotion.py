@@ -32,6 +32,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -431,9 +432,21 @@ def best_so_far(c, name: str, cond_hash: str) -> dict[str, float]:
 
 
 def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
-         curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None) -> Decision:
-    """Register the candidate (once per DVC hash), decide, tag, describe, move the aliases, write the
-    report; a version left ``pending`` by an interrupted gate is completed, not re-registered."""
+         curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None,
+         record: Callable[[Decision], str | None] | None = None) -> Decision:
+    """The whole gate: ``register`` the decision, then ``record`` it (a callable returning the run's git
+    record, or None), then ``finalize`` it. The aliases move only once the record exists."""
+    d = register(c, name, run_id, model_dir, model_md5, cand, refs, t, curve, report_dir, log_weights, model_digest)
+    if d.reused:
+        return d
+    return finalize(c, name, d, record(d) if record else None)
+
+
+def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
+             curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None) -> Decision:
+    """Register the candidate (once per DVC hash), decide, tag, describe, write the report, and leave the
+    decision ``pending``: no alias moves until ``finalize``. A version left pending by an interrupted gate
+    is decided again on the champion it saw, not re-registered; a complete one is returned as reused."""
     from mlflow.exceptions import MlflowException
 
     if model_digest:
@@ -453,7 +466,8 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evide
     if mv is not None and (mv.tags or {}).get("decision.state") == "complete":
         tags = mv.tags
         return Decision(promoted=tags.get("decision") == "promoted", checks=[], reasons=[tags.get("decision.reasons", "")],
-                        champion_version=tags.get("decision.champion_before"), version=str(mv.version), reused=True)
+                        champion_version=tags.get("decision.champion_before"), version=str(mv.version), reused=True,
+                        extra={"run_id": mv.run_id, "git_ref": tags.get("git_ref")})
     if mv is not None:  # an interrupted gate: decide again on the champion it saw (its own version may be champion already)
         before = (mv.tags or {}).get("decision.champion_before", "none")
         champ, champ_ev = (None, None)
@@ -466,6 +480,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evide
     best = best_so_far(c, name, conditions_hash(cand.conditions))
     decision = decide(cand, champ_ev, refs, best, t)
     decision.champion_version = str(champ.version) if champ is not None else None
+    decision.extra["run_id"] = run_id
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -493,12 +508,26 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evide
     (report_dir / "decision.json").write_text(json.dumps(decision.as_dict(), indent=2))
     c.log_artifacts(run_id, str(report_dir), "promotion")
     c.update_model_version(name, mv.version, description=md)
-    c.set_registered_model_alias(name, "challenger", mv.version)
+    return decision
+
+
+def finalize(c, name: str, decision: Decision, git_ref: str | None = None) -> Decision:
+    """Make a registered decision final: the version names the run's git record (``git_ref``), the
+    aliases move (``challenger`` always, ``champion`` when promoted), and its state becomes complete.
+    A reused (already complete) decision is returned as it is."""
+    if decision.reused:
+        return decision
+    if git_ref:
+        c.set_model_version_tag(name, decision.version, "git_ref", git_ref)
+        decision.extra["git_ref"] = git_ref
+    c.set_registered_model_alias(name, "challenger", decision.version)
     if decision.promoted:
-        c.set_registered_model_alias(name, "champion", mv.version)
-    c.set_tag(run_id, "decision", decision.word)
-    c.set_tag(run_id, "model_version", mv.version)
-    c.set_model_version_tag(name, mv.version, "decision.state", "complete")
+        c.set_registered_model_alias(name, "champion", decision.version)
+    run_id = decision.extra.get("run_id")
+    if run_id:
+        c.set_tag(run_id, "decision", decision.word)
+        c.set_tag(run_id, "model_version", decision.version)
+    c.set_model_version_tag(name, decision.version, "decision.state", "complete")
     return decision
 
 

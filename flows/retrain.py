@@ -4,7 +4,9 @@ stage. DVC decides what actually runs, so a rerun (after a kill, or with nothing
 nothing that finished. With ``pool`` set, the model stages go to that work pool's stage deployment,
 on machines that share nothing with this one but the git origin, the DVC remote and Prefect.
 Everything that writes to the repository (DVC, the promotion, the end of the MLflow run) happens
-while the retrain holds the repository's DVC slot.
+while the retrain holds the repository's DVC slot. Whatever the end of the run needs (the git record and
+its push, the DVC remote, the MLflow registry) is checked before the first stage, and the gate's decision
+becomes final (its aliases move) only once the run's git record exists.
 """
 
 from __future__ import annotations
@@ -28,26 +30,37 @@ DISPATCHED = ("base_model", "sft_inline", "sft_env_only", "grpo", "evaluate")
 GATE = "validate"
 
 
-def preflight(root: Path, params_path: str, pool: str | None = None) -> str:
-    """Everything that can be checked before an hour of work: the params and profile, the DVC
-    remote and lock, the MLflow store, and for a pool that another machine can use the repository
-    and the remote. Each failure is one line."""
+def preflight(root: Path, params_path: str, pool: str | None = None, echo=None) -> str:
+    """Everything that can be checked before an hour of work, the end of the run included: the params
+    and profile, git, the DVC remote (reachable and accepting a write) and its lock, the MLflow store
+    (a run, an artifact, a model version and an alias; the champion's evidence), the git record (a commit
+    can be made, the origin accepts its push), and for a pool what another machine can use. Each failure
+    is one line; each check that passed says so in one line through ``echo``."""
+    from evoharness import preflight as pf
     from evoharness import promotion, tracking
     from evoharness.config import load_params
     from evoharness.lineage import check_remote, check_shared, ensure_remote
     from evoharness.training.profiles import load_profile
 
+    say = echo or (lambda _m: None)
     if not (root / "dvc.yaml").exists():
         raise EvoError(f"{root} has no dvc.yaml: run retrain from the project root (or pass root=)")
+    pf.check_git()
     p = load_params(str(root / params_path))
     load_profile(p.profile, root / params_path)
-    promotion.load_promotion(root / params_path, p.profile)
+    pp, _ = promotion.load_promotion(root / params_path, p.profile)
     if pool:
         check_shared(root, f"--pool {pool}")  # before ensure_remote could make a local one
     ensure_remote(root)
     check_remote(root)
+    say(f"preflight: DVC remote {pf.check_remote_writable(root)} accepts a write")
     stagerun.clear_stale_locks(root)
     tracking.check_tracking(tracking.tracking_uri(root))
+    say(f"preflight: MLflow {pf.check_mlflow(root, promotion.registered_name(pp, p.profile))} accepts a run, an artifact, a model version and an alias")
+    commit, who = pf.check_record(root)
+    say(f"preflight: the git record can be committed, as {who}")
+    pushed_to = pf.check_origin_push(root, commit)
+    say(f"preflight: origin {pushed_to} accepts the record's push" if pushed_to else "preflight: no network git origin; the record stays in this repository")
     return p.profile
 
 
@@ -97,7 +110,7 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     (``deployment`` overrides its name); none runs every stage in this process."""
     log = get_run_logger()
     rootp = Path(root).resolve()
-    profile = preflight(rootp, params, pool)
+    profile = preflight(rootp, params, pool, log.info)
     if pool:
         check_deployment(deployment or f"train-stage/train-stage-{pool}", pool)
     st.ensure_limit(rootp)
@@ -131,11 +144,13 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                 st.push_all(str(rootp))
             slot.check()
             parent = parent_f.result()
-            decision = tr.promote(str(rootp), parent, params, profile)
+            decision = tr.promote(str(rootp), parent, params, profile)  # decided, not yet final: no alias has moved
             summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
                        "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
             slot.check()
             rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran
+            slot.check()
+            tr.finalize(str(rootp), decision, rec["git_ref"])  # the aliases move only once the record exists
             tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
         return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1), **rec}
     except BaseException as e:

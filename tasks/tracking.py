@@ -88,7 +88,8 @@ def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
 @task(name="git-record-retrain", cache_policy=NO_CACHE)
 def record(root: str, parent_id: str, summary: dict) -> dict:
     """The retrain's git record (``reproduce.record_run``): a commit holding its dvc.lock, params and
-    metrics, tagged ``retrain/<run id>`` and pushed to a network origin; the MLflow run names it."""
+    metrics, tagged ``retrain/<run id>`` and pushed to a network origin; the MLflow run names it. Made
+    after the gate decided and before the decision is final (``finalize``): no alias moves without it."""
     from evoharness.reproduce import record_run
 
     msg = (f"retrain {parent_id}: {summary.get('profile', '')} profile; ran {summary.get('ran', 'none')}; reused {summary.get('cached', 'none')}; "
@@ -148,8 +149,9 @@ def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
 
 @task(name="promotion-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=3)
 def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
-    """The gate on the evaluated GRPO model. A retry of this task completes the decision the first
-    attempt left pending (``promotion.gate``), never reports one it did not make."""
+    """The gate on the evaluated GRPO model: register and decide, leaving the decision pending until
+    ``finalize`` (after the git record). A retry, or a later retrain of the same model, completes the
+    decision a failed attempt left pending (``promotion.register``), never reports one it did not make."""
     from evoharness import promotion
 
     rootp = Path(root)
@@ -171,12 +173,24 @@ def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
                                  "dvc.dep.data/models/grpo": md5})
         run_id = run.info.run_id
     report_dir = rootp / "reports" / "promotion" / md5[:12]
-    d = promotion.gate(c, name, run_id, rootp / "data" / "models" / "grpo", md5, cand, refs, thresholds,
-                       list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"))
+    d = promotion.register(c, name, run_id, rootp / "data" / "models" / "grpo", md5, cand, refs, thresholds,
+                           list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"))
     if not d.reused:
         c.set_terminated(run_id, "FINISHED")
     md_path = report_dir / "promotion.md"
     md = md_path.read_text() if md_path.exists() and not d.reused else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)
     create_markdown_artifact(key="promotion-decision", markdown=md, description=f"{name} v{d.version}: {d.word}")
     return {"model": name, "version": d.version, "decision": d.word, "reasons": d.reasons, "reused": d.reused,
-            "checks": [c_.line() for c_ in d.checks]}
+            "checks": [c_.line() for c_ in d.checks], "run_id": d.extra.get("run_id")}
+
+
+@task(name="promotion-finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+def finalize(root: str, decision: dict, git_ref: str | None) -> dict:
+    """Make the gate's decision final now that the run's git record exists: the version names the
+    record, the aliases move, the state becomes complete (``promotion.finalize``)."""
+    from evoharness import promotion
+
+    d = promotion.Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
+                           reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")})
+    promotion.finalize(tracking.client(Path(root)), decision["model"], d, git_ref)
+    return decision
