@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The suite runs as a newcomer would, on a fresh machine: an empty HOME (no ~/.gitconfig, no Prefect profile,
+# no caches), no global or system git config and no git identity in the environment. Set before anything
+# of the project is imported (``lineage.DEFAULT_REMOTE`` and the worker's home derive from HOME).
+NEWCOMER_HOME = Path(tempfile.mkdtemp(prefix="evoharness-test-home-"))
+atexit.register(shutil.rmtree, NEWCOMER_HOME, True)
+(NEWCOMER_HOME / ".gitconfig-empty").write_text("")
+os.environ.update(HOME=str(NEWCOMER_HOME), GIT_CONFIG_GLOBAL=str(NEWCOMER_HOME / ".gitconfig-empty"), GIT_CONFIG_NOSYSTEM="1")
+for _var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL", "PREFECT_PROFILE",
+             "PREFECT_API_URL", "MLFLOW_TRACKING_URI", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture(scope="session")

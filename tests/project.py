@@ -44,6 +44,16 @@ MICRO = {
 }
 
 
+# The tests' own commits stand in for a user's, so they name an author per command (git -c), leaving the
+# repository, HOME and the environment without an identity, as on a fresh machine (conftest).
+USER = ["-c", "user.name=test user", "-c", "user.email=user@example.com"]
+
+
+def commit(repo: Path, *args: str) -> None:
+    """``git commit ARGS`` as the test's user."""
+    git([*USER, "commit", *args], repo)
+
+
 def _new_repo(base: Path, params: dict) -> Path:
     """The project's code and config in ``base/repo``, as a fresh git + DVC repository."""
     repo = Path(base) / "repo"
@@ -53,9 +63,7 @@ def _new_repo(base: Path, params: dict) -> Path:
     for f in ("dvc.yaml", ".dvcignore", ".gitignore", "prefect.yaml", "constraints.txt"):
         shutil.copy(ROOT / f, repo / f)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    git(["init", "-q", "-b", "main"], repo)
-    git(["config", "user.email", "t@example.com"], repo)
-    git(["config", "user.name", "t"], repo)
+    git(["init", "-q", "-b", "main"], repo)  # no identity in its config: the product's own commits must need none
     dvc(["init", "-q"], repo)
     dvc(["config", "core.autostage", "true"], repo)
     return repo
@@ -65,7 +73,7 @@ def make_project(base: Path, params: dict | None = None, remote: Path | None = N
     repo = _new_repo(base, params or MICRO)
     ensure_remote(repo, str(remote or (Path(base) / "remote")))
     git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "pipeline"], repo)
+    commit(repo, "-q", "-m", "pipeline")
     return repo
 
 
@@ -77,7 +85,7 @@ def make_shared_project(base: Path, params: dict, origin: str, remote_url: str, 
     dvc(["remote", "modify", "--local", "storage", "user", user], repo)
     dvc(["remote", "modify", "--local", "storage", "password", password], repo)
     git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "pipeline"], repo)
+    commit(repo, "-q", "-m", "pipeline")
     git(["remote", "add", "origin", origin], repo)
     git(["push", "-q", "origin", "main"], repo)
     git(["branch", "-q", "--set-upstream-to=origin/main"], repo)

@@ -19,7 +19,7 @@ import yaml
 from evoharness.errors import EvoError
 from evoharness.lineage import check_lock, check_remote, dvc, ensure_remote, git, lineage, parse_lock, unlock
 from evoharness.reproduce import find_record, reproduce
-from project import MICRO, make_project
+from project import commit, make_project, MICRO
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
@@ -39,7 +39,7 @@ def test_repro_builds_the_pipeline_and_a_second_repro_does_nothing(repo):
     for p in ("data/games/valid_unseen", "data/demos/demos.jsonl", "data/pairs/train.parquet", "data/metrics/validation.json"):
         assert (repo / p).exists(), p
     git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "run 1"], repo)
+    commit(repo, "-q", "-m", "run 1")
     again = dvc(["repro", *DATA], repo)
     assert _ran(again) == set() and "Data and pipelines are up to date" in again
     dag = dvc(["dag", "--md"], repo)
@@ -59,7 +59,7 @@ def test_changing_one_param_reruns_only_its_dependents(repo):
     out = dvc(["repro", *DATA], repo)
     assert _ran(out) == {"pairs", "validate"}
     git(["add", "-A"], repo)
-    git(["commit", "-q", "-m", "val 0.5"], repo)
+    commit(repo, "-q", "-m", "val 0.5")
 
 
 def test_fresh_clone_plus_pull_restores_the_data(repo, tmp_path):
@@ -79,8 +79,8 @@ def test_fresh_clone_plus_pull_restores_the_data(repo, tmp_path):
 def test_reproduce_by_hash_reports_identical_hashes(repo):
     stages = parse_lock((repo / "dvc.lock").read_text())
     pairs_md5 = next(o["md5"] for o in stages["pairs"]["outs"] if o["path"] == "data/pairs")
-    commit, how = find_record(pairs_md5[:10], repo)
-    assert commit == git(["rev-parse", "HEAD"], repo) and "data/pairs" in how
+    found, how = find_record(pairs_md5[:10], repo)
+    assert found == git(["rev-parse", "HEAD"], repo) and "data/pairs" in how
     lines = []
     rows = reproduce(pairs_md5[:10], repo, echo=lines.append)
     assert {r["stage"] for r in rows} == {"games", "demos", "pairs", "validate", "baselines"}
@@ -94,7 +94,7 @@ def test_reproduce_by_hash_reports_identical_hashes(repo):
         reproduce("HEAD", repo, echo=lines.append, stages=["sft_inline"])
     # This environment is the one the commit's constraints.txt pins; another pin is refused in one line.
     (repo / "constraints.txt").write_text((repo / "constraints.txt").read_text().replace("mlflow==", "mlflow==0.0.1\n# was mlflow=="))
-    git(["commit", "-qam", "an environment this machine does not have"], repo)
+    commit(repo, "-qam", "an environment this machine does not have")
     with pytest.raises(EvoError, match=r"pins mlflow==0.0.1, the environment of .* has mlflow==3.17.2; reproduce without --no-setup builds"):
         reproduce("HEAD", repo, echo=lines.append, setup=False)
     git(["reset", "-q", "--hard", "HEAD~1"], repo)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from evoharness.lineage import dvc, git
-from project import MICRO, make_project
+from project import commit, make_project, MICRO
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,11 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         assert len(c.get_metric_history(children["grpo"].info.run_id, "curve.success")) == MICRO["profiles"]["tiny-cpu"]["grpo"]["steps"]
         mv = c.get_model_version_by_alias("evoharness-test-tiny-cpu", "champion")
         assert mv.tags["dvc_md5"] == grpo_md5 and mv.tags["decision"] == "promoted"
+        # The run's git record, made on a machine with no git identity (conftest), before the champion moved.
+        tag = f"retrain/{p.info.run_id}"
+        assert p.data.tags["git_ref"] == tag and mv.tags["git_ref"] == tag and _line(r.stdout, "git record:").startswith(f"git record: {tag} (")
+        assert git(["log", "-1", "--format=%an <%ae> %s", tag], project).startswith(f"evoharness <retrain@localhost> retrain {p.info.run_id}:")
+        assert git(["config", "--get", "user.email"], project, check=False) == ""  # nothing written to any config
         # no_regression (the default, sft-inline): read from the evaluate stage's output and checked split by split.
         for k in ("seen_vs_sft-inline", "unseen_vs_sft-inline"):
             assert re.match(rf"{k}: [01]\.\d{{3}} >= 0\.050 -> pass \(McNemar exact, one-sided: sft-inline-only wins \d+", mv.tags[f"check.{k}"]), mv.tags
@@ -129,7 +134,7 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     assert "decided before; nothing changed" in _line(r.stdout, "decision:")
     print(f"resumed retrain {resumed_s:.0f} s; no-op retrain {noop_s:.1f} s")
     git(["add", "-A"], project)
-    git(["commit", "-q", "-m", "retrain"], project)
+    commit(project, "-q", "-m", "retrain")
 
     # Each training stage depends on its own slice of its own profile: a GRPO-only change leaves the
     # base model and SFT up to date, and the other profile's changes touch nothing here.

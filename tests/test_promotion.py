@@ -209,6 +209,32 @@ def test_a_retried_gate_completes_the_decision_it_left_pending(store):
     assert c.get_model_version(name, "1").tags["decision.state"] == "complete" and len(c.search_model_versions(f"name='{name}'")) == 1
 
 
+def test_no_alias_moves_before_the_runs_git_record_exists(store, tmp_path):
+    """The record is made between the decision and its aliases: a record that fails leaves the version
+    pending and the champion where it was; the rerun completes the decision and the version names its record."""
+    c, name, candidate, champion = store
+    assert candidate(1, ev("grpo-inline", 24, 15)).promoted and champion() == "1"
+    seen = []
+
+    def failing(d):
+        seen.append((d.version, d.word, c.get_model_version(name, d.version).tags["decision.state"]))
+        raise EvoError("recording the run in git: the origin went away")
+
+    run = c.create_run(tracking.experiment_id(c, tmp_path), run_name="promote-2")
+    model = _model(tmp_path, 2)
+    with pytest.raises(EvoError, match="the origin went away"):
+        promotion.gate(c, name, run.info.run_id, model, "md5-2", ev("grpo-inline", 30, 16), refs(), T, CURVE,
+                       tmp_path / "report2", record=failing)
+    assert seen == [("2", "promoted", "pending")]  # decided and tagged before the record was asked for
+    assert champion() == "1" and str(c.get_model_version_by_alias(name, "challenger").version) == "1"
+    assert c.get_model_version(name, "2").tags["decision.state"] == "pending" and "git_ref" not in c.get_model_version(name, "2").tags
+    d = promotion.gate(c, name, run.info.run_id, model, "md5-2", ev("grpo-inline", 30, 16), refs(), T, CURVE,
+                       tmp_path / "report2", record=lambda d: "retrain/run-2")
+    assert d.promoted and d.version == "2" and champion() == "2"
+    tags = c.get_model_version(name, "2").tags
+    assert tags["decision.state"] == "complete" and tags["git_ref"] == "retrain/run-2" and len(c.search_model_versions(f"name='{name}'")) == 2
+
+
 def test_params_promotion_section_is_validated(tmp_path):
     p = tmp_path / "params.yaml"
     p.write_text("promotion:\n  thresholds:\n    tiny-cpu: {min_seen: 1.5, min_unseen: 0}\n")

@@ -10,7 +10,7 @@ import pytest
 from evoharness.errors import EvoError
 from evoharness.lineage import dvc, git
 from evoharness.secrets import redact
-from project import MICRO, make_project
+from project import commit, make_project, MICRO
 
 SECRET = "s3cr3t-t0ken"
 
@@ -36,7 +36,7 @@ def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_serv
     assert SECRET not in str(e.value) and "https://git.example.com/evoharness.git" in str(e.value)
     git(["push", "-q", "origin", "main"], repo)
     dvc(["remote", "add", "-d", "storage", f"webdav://evo:{SECRET}@127.0.0.1:9/store"], repo)
-    git(["commit", "-qam", "remote"], repo)
+    commit(repo, "-qam", "remote")
     git(["push", "-q", "origin", "main"], repo)
     spec = stagerun.job_spec(repo, "sft_inline", "--pool h200")
     assert spec["repo"] == "https://git.example.com/evoharness.git" and SECRET not in json.dumps(spec)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from evoharness.lineage import dvc, git
-from project import MICRO, make_shared_project
+from project import commit, make_shared_project, MICRO
 
 POOL = "h200"
 DEPLOYMENT = "train-stage/train-stage-h200"
@@ -232,7 +232,7 @@ def test_pool_refuses_what_another_machine_cannot_reach(hosts, tmp_path, git_ser
     r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
     assert r.returncode == 2 and "names no default DVC remote" in r.stderr.strip().splitlines()[-1]
     dvc(["remote", "add", "-d", "disk", str(tmp_path / "remote")], repo)
-    git(["commit", "-qam", "a remote on this disk"], repo)
+    commit(repo, "-qam", "a remote on this disk")
     git(["push", "-q", "origin", "main"], repo)
     r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
     assert r.returncode == 2 and "is a folder on this machine, which the workers cannot reach" in r.stderr.strip().splitlines()[-1]
