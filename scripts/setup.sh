@@ -9,6 +9,9 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# The venv's python first on PATH: some sdists' build scripts call a bare `python`, which a fresh Debian or
+# Ubuntu machine does not have (fast-downward-textworld's setup.py does; it failed there without this).
+export PATH="$PWD/.venv/bin:$PATH"
 stamp=.venv/.evoharness-installed
 want=$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
