@@ -1,4 +1,4 @@
-"""Policies: who writes the response on each turn. ``make_policy`` builds one from a spec."""
+"""A policy by spec: ``parse_policy`` reads one from text, ``make_policy`` builds it."""
 
 from __future__ import annotations
 
