@@ -8,12 +8,15 @@ it as JSON. Meant to finish within 8 minutes.
     python3 bench/h200_check.py [--out h200.json]           # on the GPU box
     .venv/bin/python bench/h200_check.py --tiny             # the same script at toy size on CPU
 
-MFU counts 6·N·T for the dense layers (forward, backward to the activations, and the forward that
-gradient checkpointing recomputes: LoRA computes no gradients for the frozen matrices) plus causal
-attention (6·L·T²·d / 2 per sequence): the GPU's real work, against 989e12 FLOP/s.
+MFU counts the model FLOPs of LoRA training, the standard way: forward 2·N·T and the backward through the
+activations 2·N·T for the N frozen dense weights (LoRA computes no weight gradients for them), plus causal
+attention (forward 2·L·T²·d per sequence, its backward twice that). HFU adds what gradient checkpointing
+recomputes (a second forward: 2·N·T and the attention's forward). Both are against 989e12 FLOP/s.
 
-The GPU image has torch, transformers, accelerate and peft; the project's decoder also needs
-pydantic (carry its wheels: pydantic, pydantic-core, annotated-types, typing-inspection).
+It needs torch, transformers, accelerate and peft only (the GPU image's packages): the project's decoder
+(``policies.batched``) imports nothing else. Each figure is printed as soon as it is measured, so a crash
+or a kill part-way still shows what ran. With vLLM installed it also measures vLLM's rollout rate on the
+same model (saved to a temporary folder), constrained by the same regex ``VLLMGenerator`` uses.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ def make_model(cfg: dict, device: str, dtype):
     return model
 
 
+def lora_flops(n: int, tokens: int, layers: int, attn_dim: int) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one LoRA training step on one sequence of ``tokens``: the frozen
+    dense weights (``n``) forward 2·N·T and backward through the activations 2·N·T; causal attention
+    forward 2·L·T²·d, backward twice that; gradient checkpointing's recompute adds one forward of both."""
+    dense_fwd = 2 * n * tokens
+    attn_fwd = 2 * layers * tokens * tokens * attn_dim
+    model = 2 * dense_fwd + 3 * attn_fwd
+    return float(model), float(model + dense_fwd + attn_fwd)
+
+
 def sft_rate(model, tokens: int, steps: int, warmup: int, device: str) -> dict:
     """LoRA SFT steps of one 4,096-token sequence each, gradient checkpointing on."""
     import torch
@@ -72,14 +85,14 @@ def sft_rate(model, tokens: int, steps: int, warmup: int, device: str) -> dict:
             times.append(time.perf_counter() - t0)
     c = model.config
     n = sum(p.numel() for n_, p in peft.named_parameters() if "lora_" not in n_ and "embed_tokens" not in n_)
-    flops = 6 * n * tokens + 6 * c.num_hidden_layers * tokens * tokens * c.num_attention_heads * c.head_dim / 2
+    model_flops, hardware_flops = lora_flops(n, tokens, c.num_hidden_layers, c.num_attention_heads * c.head_dim)
     step = sum(times) / len(times)
     trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     peft.gradient_checkpointing_disable()
     base = peft.unload()
     return {"tokens": tokens, "steps": steps, "step_s": round(step, 3), "tokens_per_s": round(tokens / step, 1),
-            "mfu": round(flops / step / PEAK, 4), "params": n, "lora_params": trainable, "peak_mem_gib": round(mem, 1), "_model": base}
+            "mfu": model_flops / step / PEAK, "hfu": hardware_flops / step / PEAK, "params": n, "lora_params": trainable, "peak_mem_gib": round(mem, 1), "_model": base}
 
 
 def prompt_text(words: int) -> str:
@@ -127,6 +140,65 @@ def generation_rate(model, rows: int, prompt_words: int, new_tokens: int, device
             "tokens_per_s": round(toks / wall, 1), "batches": gen.batches}
 
 
+def vllm_rate(model, rows: int, prompt_words: int, new_tokens: int, device: str, dtype: str) -> dict | None:
+    """Replies per second of ``policies.batched.VLLMGenerator`` on a vLLM engine over the same model (saved
+    to a temporary folder with the toy tokenizer), ``rows`` episode threads at once; None without vLLM."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from evoharness.data import tokens as wl
+    from evoharness.policies.batched import VLLMGenerator
+    from evoharness.training.tiny import build_tokenizer
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    text = prompt_text(prompt_words)
+    vocab = sorted(set(wl.words(text)) | {"<think>", "</think>", "<action>", "</action>", "track", "commit", "recall", "note", "I", "go"})
+    tok = build_tokenizer(vocab)
+    with tempfile.TemporaryDirectory(prefix="h200-check-vllm-") as d:
+        model.config.vocab_size = model.get_input_embeddings().weight.shape[0]
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+        t0 = time.perf_counter()
+        llm = LLM(model=d, dtype=dtype, max_model_len=min(4096, model.config.max_position_embeddings), enforce_eager=device == "cpu",
+                  gpu_memory_utilization=0.5 if device == "cuda" else 0.9, seed=0)
+        up = time.perf_counter() - t0
+        gen = VLLMGenerator(llm, tok, True, 1.0, new_tokens, constrained=True, max_batch=rows, wait_s=0.5)
+        admissible = tuple(x.strip() for x in text.split("ADMISSIBLE COMMANDS: ")[1].split("\n")[0].split(" | "))
+        view = SimpleNamespace(admissible=admissible, verbs=("track", "commit", "recall", "note"), last_actions=())
+        out: list = [None] * rows
+
+        def go(i):
+            out[i] = gen(text, seed=i, view=view)
+
+        for _ in range(2):
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(rows)]
+            t1 = time.perf_counter()
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            wall = time.perf_counter() - t1
+        del llm
+    toks = sum(len(s.completion_ids) for s in out)
+    return {"rows": rows, "engine_up_s": round(up, 1), "seconds": round(wall, 2), "replies_per_s": round(rows / wall, 2), "tokens_per_s": round(toks / wall, 1)}
+
+
+class Table:
+    """Rows printed as they are measured (a crash part-way still shows what ran), kept for ``--out``."""
+
+    def __init__(self, width: int = 30):
+        self.width, self.rows = width, {}
+
+    def add(self, key: str, value) -> None:
+        self.rows[key] = value
+        print(f"{key:<{self.width}}  {value}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a toy model on CPU (checks the script, measures nothing)")
@@ -141,23 +213,38 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA GPU here; run on the GPU box, or --tiny on CPU")
     tokens = min(args.tokens, 256) if args.tiny else args.tokens
+    t = Table()
+    t.add("device", torch.cuda.get_device_name() if device == "cuda" else "CPU (toy size)")
+    t.add("model", "toy Qwen3" if args.tiny else "Qwen3-8B architecture, random bf16")
     t0 = time.perf_counter()
     model = make_model(TINY if args.tiny else QWEN3_8B, device, torch.float32 if args.tiny else torch.bfloat16)
-    built = time.perf_counter() - t0
+    t.add("built in s", f"{time.perf_counter() - t0:.1f}")
     sft = sft_rate(model, tokens, 2 if args.tiny else args.steps, 1 if args.tiny else 2, device)
     model = sft.pop("_model")
-    gen = generation_rate(model, 8 if args.tiny else args.rows, 80 if args.tiny else 700, 16 if args.tiny else 64, device)
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (toy size)"
-    rows = [("device", name), ("model", "toy Qwen3" if args.tiny else "Qwen3-8B architecture, random bf16"), ("built in s", f"{built:.1f}"),
-            ("SFT tokens per step", sft["tokens"]), ("SFT step (s)", sft["step_s"]), ("SFT tokens/s", f"{sft['tokens_per_s']:,.0f}"),
-            ("SFT MFU (989 TFLOP/s bf16)", f"{100 * sft['mfu']:.1f}%"), ("LoRA parameters", f"{sft['lora_params']:,}"),
-            ("peak GPU memory (GiB)", sft["peak_mem_gib"]), ("rollout rows at once", gen["rows"]), ("rollout prompt tokens", gen["prompt_tokens"]),
-            ("rollout replies/s", gen["replies_per_s"]), ("rollout tokens/s", f"{gen['tokens_per_s']:,.0f}"), ("wall s", f"{time.perf_counter() - t0:.0f}")]
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+    for key, v in (("SFT tokens per step", sft["tokens"]), ("SFT step (s)", sft["step_s"]), ("SFT tokens/s", f"{sft['tokens_per_s']:,.0f}"),
+                   ("SFT MFU (989 TFLOP/s bf16)", f"{100 * sft['mfu']:.2g}%"), ("SFT HFU (with recompute)", f"{100 * sft['hfu']:.2g}%"),
+                   ("LoRA parameters", f"{sft['lora_params']:,}"), ("peak GPU memory (GiB)", sft["peak_mem_gib"])):
+        t.add(key, v)
+    rows, words, new = (8, 80, 16) if args.tiny else (args.rows, 700, 64)
+    gen = generation_rate(model, rows, words, new, device)
+    for key, v in (("rollout rows at once", gen["rows"]), ("rollout prompt tokens", gen["prompt_tokens"]),
+                   ("rollout replies/s (hf)", gen["replies_per_s"]), ("rollout tokens/s (hf)", f"{gen['tokens_per_s']:,.0f}")):
+        t.add(key, v)
+    try:
+        vl = vllm_rate(model, rows, words, new, device, "float32" if args.tiny else "bfloat16")
+    except Exception as e:  # the other figures stand; the line says what vLLM refused
+        vl = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    if vl is None:
+        t.add("rollout (vLLM)", "not measured: vllm is not installed")
+    elif "error" in vl:
+        t.add("rollout (vLLM)", f"failed: {vl['error']}")
+    else:
+        t.add("vLLM engine up (s)", vl["engine_up_s"])
+        t.add("rollout replies/s (vLLM)", vl["replies_per_s"])
+        t.add("rollout tokens/s (vLLM)", f"{vl['tokens_per_s']:,.0f}")
+    t.add("wall s", f"{time.perf_counter() - t0:.0f}")
     if args.out:
-        args.out.write_text(json.dumps({"device": name, "sft": sft, "generation": gen, "built_s": round(built, 1)}, indent=2))
+        args.out.write_text(json.dumps({"table": t.rows, "sft": sft, "generation": gen, "vllm": vl}, indent=2, default=str))
 
 
 if __name__ == "__main__":

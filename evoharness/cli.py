@@ -377,7 +377,7 @@ def base_model(
     src = resolve_model_path(prof.base.path)
     if not src.is_dir():
         raise EvoError(f"profile {prof.name}: base model {prof.base.path} ({src}) does not exist on this machine; put the checkpoint there "
-                       f"(e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir {prof.base.path}`) or set profiles.{prof.name}.base.path")
+                       f"(e.g. `hf download Qwen/Qwen3-8B --local-dir {prof.base.path}`) or set profiles.{prof.name}.base.path")
     check_checkpoint(src, f"profile {prof.name}: base model")
     doc = write_pointer(out, src, prof.base.path)
     typer.echo(f"base: {prof.base.path} ({src}, weights {doc['weights']}); pointer in {out}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,13 +172,14 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     # SFT: LoRA under ZeRO-3 on 2 processes, weights partitioned as they loaded; saved merged, beside its adapter.
     for mode in ("inline", "env_only"):
         m = json.loads((repo / "data" / "metrics" / f"sft-{mode}.json").read_text())
-        assert m["lora"] and m["launch"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": 3, "backend": "gloo", "zero3_init": True}
+        assert m["lora"] and m["launch"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": 3, "backend": "gloo", "zero3_init": True,
+                                        "group_timeout_s": 3600.0}  # read from the process group: the profile's timeout reached it
         sft = repo / "data" / "models" / f"sft-{mode}"
         assert (sft / "config.json").exists() and (sft / "model.safetensors").exists() and (sft / "adapter" / "adapter_config.json").exists()
         assert json.loads((sft / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/tiny-qwen3"
     # GRPO: 2 updates on 2 processes, each playing its own whole group; one bank, consolidated once per update.
     g = json.loads((repo / "data" / "metrics" / "grpo.json").read_text())
-    assert g["steps"] == 2 and g["lora"] and g["launch"]["processes"] == 2 and g["launch"]["zero_stage"] == 3 and g["launch"]["zero3_init"]
+    assert g["steps"] == 2 and g["lora"] and g["launch"]["processes"] == 2 and g["launch"]["zero_stage"] == 3 and g["launch"]["zero3_init"] and g["launch"]["group_timeout_s"] == 3600.0
     curve = [json.loads(x) for x in (repo / "data" / "plots" / "grpo_curve.jsonl").read_text().splitlines()]
     assert [c["update"] for c in curve] == [0, 1]
     demos_bank = json.loads((repo / "data" / "demos" / "experience.json").read_text())["updates"]
@@ -205,3 +207,24 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
         assert mv.tags["dvc_md5"] == next(o["md5"] for o in lock["grpo"]["outs"] if o["path"] == "data/models/grpo")
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+def test_the_profiles_timeout_reaches_the_process_group(tmp_path):
+    """accelerate's first state creates the group (DeepSpeed's init, 30 minutes by default): the trainer's
+    ddp_timeout comes too late, so init_process passes the profile's timeout to it. Read back from the group
+    on both ranks of a real 2-process launch with the project's accelerate config and ZeRO-3 JSON."""
+    from evoharness.training.distributed import launch_env
+
+    prof = load_profile("tiny-dist", PARAMS)
+    script = tmp_path / "probe.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "from evoharness.training.distributed import finish, group_timeout_s, init_process\n"
+                      "init_process(1234)\n"
+                      "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: timeout {group_timeout_s()}', flush=True)\n"
+                      "finish()\n")
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / prof.accelerate_config),
+                        "--num_processes", "2", str(script)], cwd=ROOT, env=launch_env(prof), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # both ranks print to one pipe, so their lines may interleave: read each rank's report wherever it falls
+    reports = sorted(re.findall(r"rank \d of \d: timeout [\d.]+", r.stdout))
+    assert reports == ["rank 0 of 2: timeout 1234.0", "rank 1 of 2: timeout 1234.0"], r.stdout[-2000:]

@@ -121,12 +121,16 @@ def launch_env(profile: Profile) -> dict[str, str]:
     return env
 
 
-def init_process():
+def init_process(timeout_s: int = 3600):
     """First thing in a launched process: accelerate's state, with the world DeepSpeed's process group
-    holds (see the module's docstring). Returns the state; a no-op outside a launch."""
+    holds (see the module's docstring). The first state made in a process creates the process group, and
+    ``timeout_s`` reaches it only then: the trainer's ``ddp_timeout`` comes after the group exists. Returns
+    the state; a no-op outside a launch."""
+    from datetime import timedelta
+
     from accelerate.state import PartialState
 
-    state = PartialState()
+    state = PartialState(timeout=timedelta(seconds=timeout_s)) if under_launcher() else PartialState()
     if under_launcher():
         import torch.distributed as dist
 
@@ -144,9 +148,9 @@ def training_args(cls, profile: Profile, root: Path, **kwargs):
     import torch
 
     if under_launcher():
-        init_process()
+        init_process(profile.dist_timeout_s)
         kwargs.update(deepspeed=str(Path(root) / profile.deepspeed_config), accelerator_config={"use_configured_state": True},
-                      use_cpu=False, ddp_timeout=3600)
+                      use_cpu=False, ddp_timeout=profile.dist_timeout_s)
     else:
         kwargs.update(use_cpu=not (profile.device == "cuda" and torch.cuda.is_available()))
     return cls(**kwargs)
@@ -157,13 +161,29 @@ def partitioned(model) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def group_timeout_s() -> float | None:
+    """The default process group's timeout in seconds, as its backend holds it; None without a group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout.total_seconds()
+
+
 def describe(accelerator, loaded_partitioned: bool) -> dict:
-    """How the stage ran, for its metrics: processes, DeepSpeed's ZeRO stage, the backend, and
-    whether zero.Init applied when the weights loaded."""
+    """How the stage ran, for its metrics: processes, DeepSpeed's ZeRO stage, the backend, whether
+    zero.Init applied when the weights loaded, and the process group's timeout (read from the group)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-            "zero_stage": int(plugin.zero_stage) if plugin is not None else 0, "backend": str(accelerator.state.backend or "none"),
-            "zero3_init": bool(loaded_partitioned)}
+    out = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+           "zero_stage": int(plugin.zero_stage) if plugin is not None else 0, "backend": str(accelerator.state.backend or "none"),
+           "zero3_init": bool(loaded_partitioned)}
+    timeout = group_timeout_s()
+    if timeout is not None:
+        out["group_timeout_s"] = timeout
+    return out
 
 
 def is_main() -> bool:

@@ -117,6 +117,9 @@ class Profile(_Strict):
                                                      "action admissible or a meta-verb (policies/constrain.py); free: plain sampling")
     episode_workers: int = Field(8, ge=1, description="environment workers for the model's episodes in evaluate and GRPO; their turns "
                                  "are decoded together as one batch")
+    dist_timeout_s: int = Field(3600, ge=60, description="launched processes: the process group's timeout (DeepSpeed's and "
+                                "torch's default is 10 minutes), which rank 0's merge of the 8B and uneven rollouts at a gather must "
+                                "finish within")
 
     @model_validator(mode="after")
     def _launch(self):
