@@ -358,6 +358,8 @@ def base_model(
     demos: Path = typer.Option(Path("data/demos/demos.jsonl")),
     profile: Optional[str] = typer.Option(None, help="profile name (params profile)"),
     timing: Optional[Path] = typer.Option(None, help="wall-clock figures of pretraining (kept out of the hashed output)"),
+    tokenizer: str = typer.Option("word", help="tiny: word (the tags are tokens) | byte-bpe (like Qwen3's: <action> takes "
+                                  "several tokens; the toy GPU profile's base folder)"),
     params: str = PARAMS,
 ):
     """Make the profile's base model: tiny (built from a config, seeded) or a pretrained path."""
@@ -368,7 +370,7 @@ def base_model(
     if prof.base.kind == "tiny":
         from evoharness.training.tiny import make_tiny_base
 
-        info = make_tiny_base(demos, out, prof.base.model_dump(), seed, timing)
+        info = make_tiny_base(demos, out, prof.base.model_dump(), seed, timing, tokenizer)
         typer.echo(f"tiny base: {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
         return
     from evoharness.training.checkpoint import check_checkpoint, write_pointer

@@ -103,6 +103,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
     """Evaluate the lineup on the profile's machine: one process, the profile's device and dtype,
     decoded in batches (``generation``: the model's own weights, or vLLM). Each model's results
     name the weights evaluation loaded (``model_digest``): the promotion gate registers those."""
+    from evoharness.policies.hf import release
     from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint, weights_digest
     from evoharness.training.distributed import check_machine
 
@@ -122,14 +123,18 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
             digests[label] = weights_digest(path)
             cfg, spec = eval_setup(p, profile, path, mode)
             results[label] = {}
-            for split in ("valid_seen", "valid_unseen"):
-                games = per_family(list_games(games_root, split), profile.eval_games_per_family)
-                # GRPO evolved its own bank; the others read the teacher's.
-                own = path / "experience.json"
-                b = Experience.load(own) if own.exists() else bank
-                r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers, b if mode != "env_only" else None, pool=pool)
-                results[label][split] = r["summary"]
-                echo(format_table(f"{label} {split}", r["summary"]))
+            try:
+                for split in ("valid_seen", "valid_unseen"):
+                    games = per_family(list_games(games_root, split), profile.eval_games_per_family)
+                    # GRPO evolved its own bank; the others read the teacher's.
+                    own = path / "experience.json"
+                    b = Experience.load(own) if own.exists() else bank
+                    r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers,
+                                 b if mode != "env_only" else None, pool=pool)
+                    results[label][split] = r["summary"]
+                    echo(format_table(f"{label} {split}", r["summary"]))
+            finally:  # the next model's engine needs the memory this one holds
+                release(str(path))
             (out / label / "results.json").write_text(json.dumps({**results[label], "model_digest": digests[label]}, indent=2))
     table = comparison_table(results) + "\n\n" + claims(results)
     (out / "comparison.md").write_text(table + "\n")

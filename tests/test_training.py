@@ -370,6 +370,40 @@ def test_batched_decoding_matches_one_prompt_at_a_time(trained):
         assert max(abs(x - y) for g, r in zip(got, ref) for x, y in zip(g.logprobs, r.logprobs)) < 1e-4
 
 
+def test_generation_runs_only_on_the_generators_decoder_thread(trained):
+    """Episode threads queue their requests; one decoder thread, bound to the generator's device, runs every
+    forward pass (on a GPU box a new thread's CUDA device is 0 whatever its rank's: decoding from episode
+    threads would launch ranks 1-7 on GPU 0). Checked on every forward step, not only on batches."""
+    import threading
+
+    from evoharness.policies.batched import BatchedGenerator
+    from evoharness.policies.hf import load
+
+    tok, model, _ = load(str(trained["dir"] / "sft"))
+    prompts = _demo_prompts(trained["dir"], 4)
+    forwards: set[int] = set()
+    # the embedding runs in every forward, the model's own and fastdecode's step alike
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda *_: forwards.add(threading.get_ident()))
+    episode_threads: set[int] = set()
+    try:
+        gen = BatchedGenerator(model, tok, True, 1.0, 16, constrained=True)
+        got: list = [None] * len(prompts)
+
+        def go(i):
+            episode_threads.add(threading.get_ident())
+            got[i] = gen(prompts[i][0], seed=i, view=prompts[i][1])
+
+        for _ in range(2):  # two bursts: the decoder thread may end between them, never an episode thread decodes
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+    finally:
+        hook.remove()
+    assert all(g is not None and g.completion_ids for g in got)
+    assert forwards and forwards <= gen.decoder_threads, (forwards, gen.decoder_threads)
+    assert not forwards & (episode_threads | {threading.get_ident()})
+
+
 def test_fast_decoding_step_is_the_models_own_forward(trained):
     """``fastdecode.Qwen3Step`` (the decoding step without transformers' per-call machinery) gives the
     logits the model's forward gives, step after step, on left-padded rows; rows dropped mid-way keep
@@ -471,10 +505,62 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
         make_tiny_base(empty, tmp_path / "none", {**TINY, "pretrain_epochs": 1}, 0)
 
 
-def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained):
+@pytest.fixture(scope="module")
+def bpe_base(trained) -> Path:
+    """A tiny base with the Qwen3-like byte-level BPE tokenizer (``<action>`` and ``</action>`` split)."""
+    from evoharness.training.tiny import make_tiny_base
+
+    out = trained["dir"] / "bpe-base"
+    make_tiny_base(trained["dir"] / "demos" / "demos.jsonl", out, TINY, 0, tokenizer="byte-bpe")
+    return out
+
+
+def test_a_tokenizer_without_the_tags_as_tokens_is_constrained_token_by_token(trained, bpe_base):
+    """Qwen3's tokenizer has no ``<action>`` token: the constraint forces the tags' token sequences and
+    still leaves only admissible moves, so every sampled reply of a random model parses and acts legally;
+    the masks are not all True. A tokenizer that cannot write the tags at all is refused, never sampled free."""
+    import threading
+
+    from evoharness.episode import parse_response
+    from evoharness.errors import PolicyError
+    from evoharness.policies.batched import BatchedGenerator
+    from evoharness.policies.constrain import ActionConstraint, tags_as_tokens
+    from evoharness.policies.hf import load
+    from evoharness.training.grpo import constraint_masks
+
+    tok, model, _ = load(str(bpe_base))
+    assert not tags_as_tokens(tok) and tags_as_tokens(load(str(trained["dir"] / "sft"))[0])
+    assert len(tok("<action>", add_special_tokens=False)["input_ids"]) > 1 and len(tok("</action>", add_special_tokens=False)["input_ids"]) > 1
+    prompts = _demo_prompts(trained["dir"], 6)
+    gen = BatchedGenerator(model, tok, True, 1.0, 40, constrained=True)
+    got: list = [None] * len(prompts)
+
+    def go(i):
+        got[i] = gen(prompts[i][0], seed=i, view=prompts[i][1])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for s, (_, view) in zip(got, prompts):
+        parsed = parse_response(s.text)
+        assert parsed.error is None, s.text
+        assert parsed.action in view.admissible or parsed.action.split(" ", 1)[0] in view.verbs, (parsed.action, s.text)
+        assert s.text.endswith("</action>") and "</think>\n<action>" in s.text  # the teacher's separator, written exactly
+        masks = constraint_masks(tok, [s.completion_ids], [(view.admissible, view.verbs)], 40, len(s.completion_ids), len(tok))
+        assert (~masks).any(), "the constraint left every token allowed"
+    from evoharness.training.tiny import build_tokenizer
+
+    no_tags = build_tokenizer(["go", "to", "desk", "1", "think", "action", "<", ">", "/"])
+    with pytest.raises(PolicyError, match=r"cannot write the reply's tags .* exactly; use a tokenizer that can, or decoding: free"):
+        ActionConstraint(no_tags, ("go to desk 1",), ())
+
+
+@pytest.mark.parametrize("which,temperature", [("sft-word", 0.7), ("sft-word", 1.0), ("bpe", 0.7), ("bpe", 1.0)])
+def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe_base, which, temperature):
     """GRPO's log-probabilities are those of the distribution the rollout sampled from: the trainer
     replays each row's constraint (``constraint_masks``) and renormalises over it, so for a
-    constrained sample its per-token log-probs equal the sampler's, and the unconstrained ones do not."""
+    constrained sample its per-token log-probs equal the sampler's, and the unconstrained ones do not.
+    At both rollout temperatures, and with a tokenizer whose tags take several tokens."""
     import threading
 
     import torch
@@ -483,9 +569,9 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained):
     from evoharness.policies.hf import load
     from evoharness.training.grpo import constrained_logps, constraint_masks
 
-    tok, model, _ = load(str(trained["dir"] / "sft"))
+    tok, model, _ = load(str(trained["dir"] / "sft" if which == "sft-word" else bpe_base))
     prompts = _demo_prompts(trained["dir"], 4)
-    gen = BatchedGenerator(model, tok, True, 1.0, 24, constrained=True)
+    gen = BatchedGenerator(model, tok, True, temperature, 24, constrained=True)
     got: list = [None] * len(prompts)
 
     def go(i):
@@ -500,8 +586,8 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained):
         ids = torch.tensor([s.prompt_ids + s.completion_ids + [tok.pad_token_id] * (width - len(s.completion_ids))])
         am = torch.tensor([[1] * (len(s.prompt_ids) + len(s.completion_ids)) + [0] * (width - len(s.completion_ids))])
         with torch.no_grad():
-            lp, ent = constrained_logps(model, ids, am, width, masks, 1.0, compute_entropy=True)
-            free = torch.log_softmax(model(input_ids=ids, attention_mask=am).logits[:, -width - 1 : -1].float(), -1)
+            lp, ent = constrained_logps(model, ids, am, width, masks, temperature, compute_entropy=True)
+            free = torch.log_softmax(model(input_ids=ids, attention_mask=am).logits[:, -width - 1 : -1].float() / temperature, -1)
             free = free.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
         n = len(s.completion_ids)
         assert torch.allclose(lp[0, :n], torch.tensor(s.logprobs), atol=1e-4), (lp[0, :n], s.logprobs)

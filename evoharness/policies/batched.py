@@ -2,9 +2,10 @@
 
 Every episode thread asks for one response at a time. Decoding the waiting requests of all episodes
 together costs little more than decoding one (on CPU a small model's cost per token is mostly fixed
-overhead; on a GPU a batch fills it). A generator has the interface of ``hf.Sampler``: the first
-thread to ask becomes the batch's leader, waits briefly for the other active episodes' requests,
-decodes them together and hands each thread its own result. No lock is held per request.
+overhead; on a GPU a batch fills it). A generator has the interface of ``hf.Sampler``: episode threads
+queue their requests, and one decoder thread per generator, bound to the device of the thread that made
+the generator (a new thread's CUDA device is 0, whatever its rank's is), collects a batch, decodes it
+and hands each thread its own result. Generation never runs on an episode thread.
 
 ``BatchedGenerator`` decodes with a transformers model (left-padded, one KV cache); under ZeRO-3 it
 runs on parameters gathered for generation (``unwrap_model_for_generation``), so its forward passes
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from evoharness.chat_format import render
-from evoharness.policies.constrain import MAX_ARG, MAX_THINK, ActionConstraint
+from evoharness.policies.constrain import MAX_ARG, MAX_THINK, ActionConstraint, _tags
 
 
 @dataclass
@@ -52,6 +53,16 @@ def stop_ids(tok) -> list[int]:
     if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
         ids.append(end)
     return ids
+
+
+def _cuda_device() -> int | None:
+    """This thread's CUDA device when CUDA is in use here, else None."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 @dataclass
@@ -86,7 +97,9 @@ class Batcher:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self._cv = threading.Condition()
         self._pending: list[_Request] = []
-        self._leading = False
+        self._owner: threading.Thread | None = None
+        self._device = _cuda_device()
+        self.decoder_threads: set[int] = set()  # the threads that ran a decode (one per idle period; tested)
         self._seen: dict[int, float] = {}
         self._members: dict[int, object] = {}  # thread id -> session key
         self.batches = 0
@@ -115,25 +128,43 @@ class Batcher:
             req.key = self._members.get(threading.get_ident())
             self._pending.append(req)
             self._seen[threading.get_ident()] = time.monotonic()
+            if self._owner is None:
+                self._owner = threading.Thread(target=self._serve, name="evoharness-decoder", daemon=True)
+                self._owner.start()
             self._cv.notify_all()
-        while not req.done.is_set():
-            with self._cv:
-                if req.done.is_set():
-                    break
-                if self._leading:
-                    self._cv.wait(0.5)
-                    continue
-                self._leading = True
-                batch = self._collect()
-            try:
-                self._run(batch)
-            finally:
-                with self._cv:
-                    self._leading = False
-                    self._cv.notify_all()
+        req.done.wait()
         if req.error is not None:
             raise req.error
         return req.result
+
+    IDLE_S = 2.0  # the decoder thread ends after this long without a request (a new one starts on the next)
+
+    def _serve(self) -> None:
+        """The decoder thread: on the generator's device, batches of queued requests until idle."""
+        if self._device is not None:
+            import torch
+
+            torch.cuda.set_device(self._device)
+        self.decoder_threads.add(threading.get_ident())
+        try:
+            while True:
+                with self._cv:
+                    if not self._pending:
+                        self._cv.wait(self.IDLE_S)
+                        if not self._pending:
+                            self._owner = None  # under the lock: the next request starts a new thread
+                            return
+                    batch = self._collect()
+                if batch:
+                    self._run(batch)
+        except BaseException as e:  # every waiting thread gets the error, none hangs
+            with self._cv:
+                self._owner = None
+                failed, self._pending = self._pending, []
+            for r in failed:
+                r.error = e
+                r.done.set()
+            raise
 
     def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
         """What a row's decoding is constrained by (None: free), in the backend's terms."""
@@ -198,6 +229,9 @@ class BatchedGenerator(Batcher):
                  max_batch: int = 32, wait_s: float = 0.08, fast: bool = True):
         super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
         self.model = model
+        device = getattr(model, "device", None)
+        if device is not None and device.type == "cuda":  # decode where the weights are
+            self._device = device.index or 0
         from evoharness.policies import fastdecode
 
         # Qwen3 steps skip transformers' per-call cost (fastdecode's docstring); other models decode through it
@@ -328,14 +362,15 @@ def _escape(text: str) -> str:
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
 
 
-def action_regex(admissible: tuple[str, ...], verbs: tuple[str, ...]) -> str:
+def action_regex(admissible: tuple[str, ...], verbs: tuple[str, ...], sep: str = "\n") -> str:
     """``constrain.ActionConstraint`` as a regular expression for vLLM's structured outputs: the
-    reply's format, and an admissible command or an enabled verb with a free argument. Lengths are
-    in characters here (about 6 per token), in tokens there."""
+    reply's format with the same separator, and an admissible command or an enabled verb with an
+    optional argument after a space. Lengths are in characters here (about 6 per token), in tokens there."""
     cmds = "|".join(_escape(c) for c in admissible)
     meta = "|".join(_escape(v) for v in verbs)
-    action = "|".join(x for x in (cmds, f"(?:{meta}) [^<]{{0,{6 * MAX_ARG}}}" if meta else "") if x)
-    return f"<think>[^<]{{0,{6 * MAX_THINK}}}</think>\\n?<action>(?:{action})</action>"
+    action = "|".join(x for x in (cmds, f"(?:{meta})(?: [^<]{{1,{6 * MAX_ARG}}})?" if meta else "") if x)
+    sep = sep.replace("\n", "\\n")  # the escape, not a raw newline, for the grammar engine
+    return f"<think>[^<]{{0,{6 * MAX_THINK}}}</think>{sep}<action>(?:{action})</action>"
 
 
 class VLLMGenerator(Batcher):
@@ -351,7 +386,8 @@ class VLLMGenerator(Batcher):
 
     def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
         repeat = after.split(" ", 1)[0] if after else ""
-        return action_regex(admissible, tuple(v for v in verbs if v != repeat))
+        tags = _tags(self.tok)
+        return action_regex(admissible, tuple(v for v in verbs if v != repeat), "\n" if tags is not None and tags.exact else "")
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams

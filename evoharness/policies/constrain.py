@@ -20,19 +20,47 @@ MAX_ARG = 12  # tokens of a meta-action's argument before ``</action>`` is force
 
 @dataclass
 class _Tags:
-    think: int
-    end_think: int
-    action: int
-    end_action: int
-    banned: frozenset[int]  # special and tag tokens: never inside free text
+    """The reply's tags as token sequences: one token each in the tiny tokenizer, several in a pretrained
+    one that lacks them (Qwen3 has ``<think>`` and ``</think>`` but splits ``<action>`` into ``<``,
+    ``action``, ``>``). ``sep`` is what the teacher writes between ``</think>`` and ``<action>`` (a newline)
+    where the tokenizer keeps whitespace, else nothing."""
+
+    think: tuple[int, ...]
+    end_think: tuple[int, ...]
+    sep: tuple[int, ...]
+    action: tuple[int, ...]
+    end_action: tuple[int, ...]
+    eos: int
+    banned: frozenset[int]  # never inside free text: special tokens, one-token tags, each closing tag's first token
+    exact: bool  # the tokenizer decodes to exactly the text (byte-level, whitespace kept), as Qwen3's does
+
+
+def _encode_exact(tok, text: str) -> tuple[int, ...] | None:
+    """``text`` as one token if the tokenizer has it, else its tokens, when they decode back to exactly
+    ``text``; None when the tokenizer cannot write it (an unknown word, or whitespace it drops)."""
+    one = tok.convert_tokens_to_ids(text)
+    if isinstance(one, int) and one != tok.unk_token_id and one is not None:
+        return (one,)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids or tok.unk_token_id in ids or tok.decode(ids) != text:
+        return None
+    return tuple(ids)
 
 
 def _tags(tok) -> _Tags | None:
-    ids = tok.convert_tokens_to_ids(["<think>", "</think>", "<action>", "</action>"])
-    if any(not isinstance(i, int) or i == tok.unk_token_id for i in ids):
-        return None  # the tokenizer does not have the tags as single tokens: no constraint
-    banned = set(ids) | set(tok.all_special_ids)
-    return _Tags(*ids, frozenset(banned))
+    seqs = [_encode_exact(tok, t) for t in ("<think>", "</think>", "<action>", "</action>")]
+    if any(x is None for x in seqs) or tok.eos_token_id is None:
+        return None  # the tokenizer cannot write the format: no constraint (the caller says so)
+    sep = _encode_exact(tok, "\n") or ()
+    think, end_think, action, end_action = seqs
+    banned = set(tok.all_special_ids) | {x[0] for x in (end_think, end_action)}
+    banned |= {x[0] for x in (think, action) if len(x) == 1}
+    return _Tags(think, end_think, sep, action, end_action, tok.eos_token_id, frozenset(banned), exact=bool(sep))
+
+
+def tags_as_tokens(tok) -> bool:
+    """Whether the tokenizer has ``<action>`` and ``</action>`` as single tokens (the tiny one does, Qwen3's not)."""
+    return all(isinstance(i, int) and i is not None and i != tok.unk_token_id for i in tok.convert_tokens_to_ids(["<action>", "</action>"]))
 
 
 class _Known:
@@ -45,6 +73,7 @@ class _Known:
         self._ids: dict[str, tuple[int, ...]] = {}
         self._free: dict[tuple, list[int]] = {}
         self._masks: dict[tuple, object] = {}
+        self._texts: list[str] | None = None
         self._lock = threading.Lock()
 
     def ids(self, text: str) -> list[int]:
@@ -56,6 +85,41 @@ class _Known:
                     self._ids.clear()
                 self._ids[text] = got
         return list(got)
+
+    def texts(self, vocab: int) -> list[str]:
+        """Each token's own text (decoded alone), once per tokenizer."""
+        got = self._texts
+        if got is None or len(got) != vocab:
+            got = self._texts = [self.tok.decode([i]) for i in range(vocab)]
+        return got
+
+    def angled(self, vocab: int) -> frozenset[int]:
+        """Tokens whose text holds ``<``: in a tokenizer that writes text exactly, free text with one of them
+        could spell a second tag (``<action`` then ``>``), so free text never has them (as ``[^<]`` in
+        ``batched.action_regex``)."""
+        key = ("angled", vocab)
+        got = self._free.get(key)
+        if got is None:
+            got = self._free.setdefault(key, frozenset(i for i, t in enumerate(self.texts(vocab)) if "<" in t))
+        return got
+
+    def banned(self, vocab: int, tags: "_Tags") -> frozenset[int]:
+        """What free text may not hold: the tags' tokens, and with an exact tokenizer every token with ``<``
+        (one object per tokenizer, so the masks' cache finds it by identity)."""
+        key = ("banned", vocab, tags.banned)
+        got = self._free.get(key)
+        if got is None:
+            got = self._free.setdefault(key, tags.banned | self.angled(vocab) if tags.exact else tags.banned)
+        return got
+
+    def lead(self, vocab: int, banned: frozenset[int]) -> list[int]:
+        """Free tokens that begin with a space: a meta-verb's argument starts with one (``track apple``)."""
+        key = ("lead", vocab, banned)
+        got = self._free.get(key)
+        if got is None:
+            texts = self.texts(vocab)
+            got = self._free.setdefault(key, [i for i in self.free(vocab, banned) if texts[i][:1] == " " and texts[i].strip()])
+        return got
 
     def free(self, vocab: int, banned: frozenset[int]) -> list[int]:
         key = (vocab, banned)
@@ -90,15 +154,22 @@ def _known(tok) -> _Known:
 
 
 class Trie:
+    """Token paths of the admissible commands (``end``: a whole command) and the meta-verbs (``verb``: a
+    verb, after which a free argument follows)."""
+
     def __init__(self):
         self.children: dict[int, Trie] = {}
         self.end = False
+        self.verb = False
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int], verb: bool = False) -> None:
         node = self
         for i in ids:
             node = node.children.setdefault(i, Trie())
-        node.end = True
+        if verb:
+            node.verb = True
+        else:
+            node.end = True
 
     def walk(self, ids: list[int]) -> "Trie | None":
         node = self
@@ -112,19 +183,26 @@ class Trie:
 class ActionConstraint:
     """``allowed(generated)``: the token ids allowed after the response's ``generated`` ids.
 
+    A token-level grammar: the tags (forced token by token when the tokenizer splits them), free
+    thought text, then an admissible command's exact tokens or a meta-verb's followed by a free
+    argument, the closing tag and the end of turn.
+
     ``after`` is the action of the turn before: a meta-verb may not follow itself (its answer is on
     screen; asking again is the spam the reward penalises, and the teacher never does it), so a
     greedy policy cannot loop on ``track X; track X; ...``."""
 
     def __init__(self, tok, admissible: tuple[str, ...], verbs: tuple[str, ...], budget: int = 1 << 30, after: str = ""):
         self.tags = _tags(tok)
+        if self.tags is None:  # decoding free instead would train and evaluate another distribution than asked for
+            from evoharness.errors import PolicyError
+
+            raise PolicyError(f"constrained decoding: the tokenizer ({type(tok).__name__}, {len(tok)} tokens) cannot write the reply's "
+                              "tags <think> </think> <action> </action> exactly; use a tokenizer that can, or decoding: free")
         self.budget = budget  # max new tokens: the think is closed early enough to leave room for an action
         self.vocab = len(tok)
         self.trie = Trie()
         self.longest = 1
-        self.verb_ids: set[int] = set()
-        if self.tags is None:
-            return
+        self.verbs = 0
         unk = tok.unk_token_id
         known = self._known = _known(tok)
         for cmd in admissible:
@@ -135,13 +213,17 @@ class ActionConstraint:
         repeat = after.split(" ", 1)[0] if after else ""
         for v in verbs:
             ids = known.ids(v)
-            if len(ids) == 1 and ids[0] != unk and v != repeat:
-                self.verb_ids.add(ids[0])
-        self.free = known.free(self.vocab, self.tags.banned)
+            if ids and unk not in ids and v != repeat:
+                self.trie.add(ids, verb=True)
+                self.verbs += 1
+        t = self.tags
+        self.banned = known.banned(self.vocab, t)
+        self.free = known.free(self.vocab, self.banned)
+        self._tail = len(t.end_think) + len(t.sep) + len(t.action) + len(t.end_action)  # tokens after the thought, the action aside
 
     @property
     def active(self) -> bool:
-        return self.tags is not None and (bool(self.trie.children) or bool(self.verb_ids))
+        return bool(self.trie.children)
 
     def allowed(self, generated: list[int]) -> list[int]:
         free, ids = self._next(generated)
@@ -151,44 +233,70 @@ class ActionConstraint:
         """``allowed`` as a bool tensor over the vocabulary (free text's masks are built once per tokenizer)."""
         free, ids = self._next(generated)
         if free:
-            return self._known.free_mask(self.vocab, self.tags.banned, ids[0])
+            return self._known.free_mask(self.vocab, self.banned, ids[0])
         import torch
 
         m = torch.zeros(self.vocab, dtype=torch.bool)
         m[ids] = True
         return m
 
+    @staticmethod
+    def _through(generated: list[int], pos: int, seq: tuple[int, ...]):
+        """Past the forced sequence ``seq`` written from ``pos``: its end position, or the list of the one
+        token that comes next while it is being written."""
+        written = len(generated) - pos
+        if written < len(seq):
+            return [seq[written]]
+        return pos + len(seq)
+
     def _next(self, generated: list[int]) -> tuple[bool, list[int]]:
         """(free, ids): the allowed ids are ``ids``, plus every free-text token when ``free``."""
         t = self.tags
-        if not generated:
-            return False, [t.think]
-        if t.end_think not in generated:
-            n = len(generated) - 1
-            close = n >= MAX_THINK or len(generated) + 3 + self.longest >= self.budget
-            return (False, [t.end_think]) if close else (True, [t.end_think])
-        k = generated.index(t.end_think)
-        after = generated[k + 1 :]
-        if not after:
-            return False, [t.action]
-        action = after[1:]
-        if not action:
-            return False, sorted(set(self.trie.children) | self.verb_ids)
-        if action[0] in self.verb_ids:
-            close = len(action) > MAX_ARG or len(generated) + 1 >= self.budget
-            return (False, [t.end_action]) if close else (True, [t.end_action])
-        node = self.trie.walk(action)
-        if node is None:  # cannot happen under the constraint; end the action
-            return False, [t.end_action]
-        out = list(node.children)
-        if node.end:
-            out.append(t.end_action)
-        return False, out or [t.end_action]
+        pos = self._through(generated, 0, t.think)
+        if isinstance(pos, list):
+            return False, pos
+        close = t.end_think[0]
+        try:
+            pos = generated.index(close, pos)
+        except ValueError:  # still thinking
+            n = len(generated) - len(t.think)
+            stop = n >= MAX_THINK or len(generated) + self._tail + self.longest >= self.budget
+            return (False, [close]) if stop else (True, [close])
+        for seq in (t.end_think, t.sep, t.action):
+            pos = self._through(generated, pos, seq)
+            if isinstance(pos, list):
+                return False, pos
+        node, body = self.trie, generated[pos:]
+        k = 0
+        while k < len(body) and not node.verb:
+            nxt = node.children.get(body[k])
+            if nxt is None:
+                break
+            node, k = nxt, k + 1
+        rest, end = body[k:], t.end_action
+        if node.verb:  # a meta-verb's free argument, then the closing tag
+            try:
+                j = rest.index(end[0])
+            except ValueError:
+                stop = k + len(rest) > MAX_ARG or len(generated) + len(end) >= self.budget  # MAX_ARG counts the verb too
+                if stop:
+                    return False, [end[0]]
+                if t.exact and not rest:  # the argument's first word, after a space
+                    return False, self._known.lead(self.vocab, self.banned) + [end[0]]
+                return True, [end[0]]
+            rest = rest[j:]
+        elif not rest:
+            out = list(node.children) + ([end[0]] if node.end else [])
+            return False, out or [end[0]]
+        if rest[0] != end[0]:  # cannot happen under the constraint; end the action
+            return False, [end[0]]
+        pos = self._through(rest, 0, end)
+        return (False, pos) if isinstance(pos, list) else (False, [t.eos])
 
 
 def prefix_fn(tok, admissible, verbs, prompt_len: int, budget: int = 1 << 30, after: str = ""):
-    """A ``prefix_allowed_tokens_fn`` for ``model.generate`` (one sequence), or None when the
-    tokenizer has no tags to constrain with."""
+    """A ``prefix_allowed_tokens_fn`` for ``model.generate`` (one sequence), or None when there is no
+    command or verb to constrain to."""
     c = ActionConstraint(tok, tuple(admissible), tuple(verbs), budget, after)
     if not c.active:
         return None

@@ -11,7 +11,7 @@ from evoharness.chat_format import render
 from evoharness.episode import Privileged, TurnView
 from evoharness.errors import PolicyError
 from evoharness.policies.batched import Sample, stop_ids
-from evoharness.training.checkpoint import resolve_checkpoint, weights_digest
+from evoharness.training.checkpoint import load_dtype, resolve_checkpoint, weights_digest
 
 _MODELS: dict[str, tuple] = {}
 _LOAD_LOCK = threading.Lock()
@@ -20,6 +20,7 @@ _LOAD_LOCK = threading.Lock()
 def load(path: str, device: str = "cpu", dtype: str = "float32"):
     """Tokenizer, model (eval mode, on ``device``) and a lock, once per checkpoint and placement."""
     path = str(resolve_checkpoint(path))
+    dtype = load_dtype(path, dtype)
     key = f"{path}|{device}|{dtype}"
     with _LOAD_LOCK:
         if key not in _MODELS:
@@ -84,6 +85,7 @@ _LLMS: dict[tuple, object] = {}
 
 def _vllm_engine(path: str, dtype: str):
     """Evaluation's vLLM engine for a checkpoint (one GPU), made once per process."""
+    dtype = load_dtype(path, dtype)
     key = (path, dtype)
     with _LOAD_LOCK:
         if key not in _LLMS:
@@ -91,6 +93,41 @@ def _vllm_engine(path: str, dtype: str):
 
             _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85, seed=0)
         return _LLMS[key]
+
+
+def release(path: str) -> int:
+    """Free what this process holds for a checkpoint: its generators, its vLLM engine (shut down, its
+    memory returned) and its loaded model. ``compare`` evaluates models one after another in one process,
+    and vLLM refuses a second engine while the first holds its share of the GPU. Returns how many were freed."""
+    import gc
+
+    real = str(resolve_checkpoint(path))
+    with _LOAD_LOCK:
+        gens = [k for k in _GENERATORS if k[0] == real]
+        engines = [_LLMS.pop(k) for k in [k for k in _LLMS if k[0] == real]]
+        models = [k for k in _MODELS if k.split("|", 1)[0] == real]
+        for k in gens:
+            _GENERATORS.pop(k)
+        for k in models:
+            _MODELS.pop(k)
+    for llm in engines:
+        _shutdown_vllm(llm)
+    del engines
+    gc.collect()
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return len(gens) + len(models)
+
+
+def _shutdown_vllm(llm) -> None:
+    """Stop an engine's core (its worker, its KV cache) now rather than when the garbage collector finds it."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    stop = getattr(core, "shutdown", None)
+    if callable(stop):
+        stop()
 
 
 def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, constrained: bool, backend: str = "hf",

@@ -20,17 +20,8 @@ CHAT_TEMPLATE = (
 def vocabulary(texts: list[str]) -> list[str]:
     """Every word of the games' world (alfworld's object and receptacle names, the grammar, the
     prompt's fixed text, meta-actions, numbers) plus every word of the given texts."""
-    import alfworld.gen.constants as c
-
-    from evoharness.alfworld.scenes import grammar_text
-    from evoharness.episode import VERB_HELP, system_text
-    from evoharness.harness.workspace import META_VERBS
-
     words: set[str] = set()
-    names = [o.lower() for o in c.OBJECTS] + [r.lower() for r in c.RECEPTACLES] + ["sinkbasin", "bathtubbasin"]
-    base = [system_text(META_VERBS), " ".join(VERB_HELP.values()), grammar_text(), " ".join(names), " ".join(str(i) for i in range(100)),
-            "system user assistant"]  # the chat template's role names
-    for t in base + list(texts):
+    for t in corpus(texts):
         words.update(tokens.words(t))
     return sorted(words)
 
@@ -50,6 +41,48 @@ def build_tokenizer(vocab: list[str]):
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# Qwen2/Qwen3's pre-tokenizer split (their tokenizer.json): letters with one leading non-letter, single
+# digits, punctuation runs, whitespace. With it ``<action>`` cannot become one token, as in Qwen3.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+
+
+def build_bpe_tokenizer(texts: list[str], vocab_size: int = 2048):
+    """A byte-level BPE tokenizer shaped like Qwen3's, trained on ``texts``: Qwen's split, byte-level
+    decoding (whitespace kept, so a reply decodes to exactly its text), ``<think>`` and ``</think>`` as
+    added tokens, and ``<action>`` / ``</action>`` left to BPE, so each takes several tokens as in Qwen3.
+    The toy GPU profile's base uses it, so that its code path meets a real model's tokenizer."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    tk.add_tokens([AddedToken("<think>", special=False, normalized=False), AddedToken("</think>", special=False, normalized=False)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token=None, pad_token="<pad>", bos_token=None, eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def corpus(texts: list[str]) -> list[str]:
+    """The text a tiny tokenizer is built from: the world's fixed text (the prompt's, the grammar's, every
+    object and receptacle name, numbers, the chat template's role names) and ``texts``."""
+    import alfworld.gen.constants as c
+
+    from evoharness.alfworld.scenes import grammar_text
+    from evoharness.episode import VERB_HELP, system_text
+    from evoharness.harness.workspace import META_VERBS
+
+    names = [o.lower() for o in c.OBJECTS] + [r.lower() for r in c.RECEPTACLES] + ["sinkbasin", "bathtubbasin"]
+    return [system_text(META_VERBS), " ".join(VERB_HELP.values()), grammar_text(), " ".join(names), " ".join(str(i) for i in range(100)),
+            "system user assistant", *texts]
 
 
 def build_model(vocab_size: int, cfg: dict, seed: int):
@@ -75,8 +108,10 @@ def build_model(vocab_size: int, cfg: dict, seed: int):
     return Qwen3ForCausalLM(config)
 
 
-def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int, timing: Path | None = None) -> dict:
-    """Tokenizer + model from the demos' prompts and responses and the world's vocabulary.
+def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int, timing: Path | None = None, tokenizer: str = "word") -> dict:
+    """Tokenizer + model from the demos' prompts and responses and the world's vocabulary. ``tokenizer``:
+    ``word`` (one token per word, the tags included) or ``byte-bpe`` (``build_bpe_tokenizer``: like
+    Qwen3's, the action tags split).
 
     ``out`` holds only what the seed and inputs determine, so a re-run gives the same bytes (and DVC
     the same hash); wall-clock figures go to ``timing``, outside the hashed output."""
@@ -84,8 +119,12 @@ def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int, timing: Path | 
 
     records, _ = read_jsonl(demos)
     texts = [t["prompt"] + " " + t["response"] for r in records for t in r.get("turns", [])]
-    vocab = vocabulary(texts)
-    tok = build_tokenizer(vocab)
+    if tokenizer == "word":
+        tok = build_tokenizer(vocabulary(texts))
+    elif tokenizer == "byte-bpe":
+        tok = build_bpe_tokenizer(corpus(texts))
+    else:
+        raise EvoError(f"base model: unknown tokenizer {tokenizer!r} (word or byte-bpe)")
     model = build_model(len(tok), cfg, seed)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out)
@@ -97,7 +136,8 @@ def make_tiny_base(demos: Path, out: Path, cfg: dict, seed: int, timing: Path | 
         pre = pretrain(model, tok, prompts, cfg, seed)
     clock = {k: pre.pop(k) for k in ("seconds", "tokens_per_s") if k in pre}
     model.save_pretrained(out, safe_serialization=True)
-    info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed, "pretrain": pre}
+    info = {"vocab_size": len(tok), "parameters": sum(p.numel() for p in model.parameters()), **cfg, "seed": seed, "pretrain": pre,
+            **({"tokenizer": tokenizer} if tokenizer != "word" else {})}  # the word tokenizer's bases stay byte-identical
     (out / "base_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     if timing:
         Path(timing).parent.mkdir(parents=True, exist_ok=True)
