@@ -29,7 +29,8 @@ def test_the_toy_profile_differs_from_the_gpu_profile_only_in_sizes_counts_and_t
     assert diff <= TOY_DIFFERENCES, sorted(diff - TOY_DIFFERENCES)
     # the code path itself is shared: launcher, configs, LoRA, the base's kind, decoding, the reward's charging
     for key in ("launcher", "deepspeed_config", "accelerate_config", "base.kind", "sft.lora", "grpo.lora", "decoding",
-                "grpo.charge_meta_actions", "sft.learning_rate", "grpo.learning_rate", "grpo.beta", "grpo.scale_rewards"):
+                "grpo.charge_meta_actions", "sft.learning_rate", "grpo.learning_rate", "grpo.beta", "grpo.scale_rewards",
+                "grpo.scheduler", "grpo.temperature", "base.dtype", "sft.bf16", "grpo.bf16"):  # bf16 like the GPU box
         assert key not in diff, key
     assert toy.num_processes == 2 and toy.device == "cpu" and gpu.device == "cuda" and gpu.num_processes == 8
 
@@ -158,8 +159,14 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     repo = make_project(tmp_path_factory.mktemp("dist"), _project_params("models/tiny-qwen3"))
     shutil.copy(mlflow_template, repo / "mlflow.db")
     dvc(["repro", "demos"], repo)
-    r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--out", "models/tiny-qwen3")  # the toy's pretrained base, as a folder
+    # the toy's pretrained base, as a folder, with a tokenizer like Qwen3's: no <action> or </action> token
+    r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--tokenizer", "byte-bpe", "--out", "models/tiny-qwen3")
     assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    from evoharness.policies.constrain import tags_as_tokens
+
+    assert not tags_as_tokens(AutoTokenizer.from_pretrained(repo / "models" / "tiny-qwen3"))
     r = _cli(repo, "run", timeout=1500, module="flows.cli")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "decision: evoharness-test-tiny-dist version 1 PROMOTED" in r.stdout
@@ -173,6 +180,7 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     for mode in ("inline", "env_only"):
         m = json.loads((repo / "data" / "metrics" / f"sft-{mode}.json").read_text())
         assert m["lora"] and m["launch"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": 3, "backend": "gloo", "zero3_init": True,
+                                        "mixed_precision": "bf16",  # like the GPU box
                                         "group_timeout_s": 3600.0}  # read from the process group: the profile's timeout reached it
         sft = repo / "data" / "models" / f"sft-{mode}"
         assert (sft / "config.json").exists() and (sft / "model.safetensors").exists() and (sft / "adapter" / "adapter_config.json").exists()
@@ -180,6 +188,7 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     # GRPO: 2 updates on 2 processes, each playing its own whole group; one bank, consolidated once per update.
     g = json.loads((repo / "data" / "metrics" / "grpo.json").read_text())
     assert g["steps"] == 2 and g["lora"] and g["launch"]["processes"] == 2 and g["launch"]["zero_stage"] == 3 and g["launch"]["zero3_init"] and g["launch"]["group_timeout_s"] == 3600.0
+    assert g["launch"]["mixed_precision"] == "bf16"
     curve = [json.loads(x) for x in (repo / "data" / "plots" / "grpo_curve.jsonl").read_text().splitlines()]
     assert [c["update"] for c in curve] == [0, 1]
     demos_bank = json.loads((repo / "data" / "demos" / "experience.json").read_text())["updates"]
@@ -228,3 +237,54 @@ def test_the_profiles_timeout_reaches_the_process_group(tmp_path):
     # both ranks print to one pipe, so their lines may interleave: read each rank's report wherever it falls
     reports = sorted(re.findall(r"rank \d of \d: timeout [\d.]+", r.stdout))
     assert reports == ["rank 0 of 2: timeout 1234.0", "rank 1 of 2: timeout 1234.0"], r.stdout[-2000:]
+
+
+def test_a_small_lora_change_survives_a_bf16_base_into_what_evaluation_loads(tiny_folder, tmp_path):
+    """The GPU profile trains a bf16 base at lr 1e-6: weights move by about 2e-5 rms, a sixth of bf16's step
+    near |w| = 0.02. The merge and the saved checkpoint are float32 and evaluation loads it as stored, so at
+    least 99 % of the adapter's change reaches the evaluated weights; a bf16 merge keeps far less (checked
+    too, so that this test can fail)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from evoharness.policies.hf import load
+    from evoharness.training.checkpoint import merge_lora, stored_dtype
+
+    base = tmp_path / "base-bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.bfloat16).save_pretrained(base)
+    shutil.copy(tiny_folder / "tokenizer.json", base / "tokenizer.json")
+    for f in tiny_folder.glob("*token*"):
+        shutil.copy(f, base / f.name)
+    assert stored_dtype(base) == "bfloat16"
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(0)
+    deltas = {}
+    for name, mod in peft_model.named_modules():
+        if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
+            a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+            with torch.no_grad():
+                a.copy_(torch.randn(a.shape, generator=gen))
+                b.copy_(torch.randn(b.shape, generator=gen))
+                d = (b @ a) * mod.scaling["default"]
+                factor = 2e-5 / d.pow(2).mean().sqrt()
+                b.mul_(factor)
+                deltas[name.split("base_model.model.")[-1] + ".weight"] = d * factor
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    out = tmp_path / "merged"
+    out.mkdir()
+    merge_lora(base, adapter, out, "bfloat16")
+    assert stored_dtype(out) == "float32"
+    _, evaluated, _ = load(str(out), "cpu", "bfloat16")  # as evaluation loads it under a bf16 profile
+    base_w = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    got = evaluated.state_dict()
+    assert len(deltas) >= 7
+    num = sum(float(((got[k].float() - base_w[k]) * d).sum()) for k, d in deltas.items())
+    den = sum(float((d * d).sum()) for d in deltas.values())
+    assert num / den >= 0.99, num / den
+    # The same change merged and kept in bf16 loses most of itself to rounding.
+    rounded = sum(float((((base_w[k] + d).to(torch.bfloat16).float() - base_w[k]) * d).sum()) for k, d in deltas.items())
+    print(f"kept: float32 merge {num / den:.4f}, bf16 merge {rounded / den:.4f}")
+    assert rounded / den < 0.9, rounded / den

@@ -129,20 +129,41 @@ def resolve_checkpoint(path: str | Path, root: Path | None = None) -> Path:
 
 def merge_lora(base: Path, adapter: Path, out: Path, dtype: str = "float32") -> None:
     """The adapter folded into its base and saved as a full checkpoint in ``out``, in this process
-    (the main one, after training), whatever DeepSpeed config is active."""
+    (the main one, after training), whatever DeepSpeed config is active. The merge and the saved weights
+    are float32 whatever the profile trains in (``dtype``): at the GPU recipe's learning rates a weight
+    moves by about 2e-5, a sixth of bf16's step near the typical |w| of 0.02, so a bf16 merge or save
+    would round most of the trained change away (``stored_dtype`` keeps it at evaluation)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from evoharness.training.distributed import no_zero3_init
 
+    del dtype  # the profile's compute dtype: training's, not the merge's
     with no_zero3_init():
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged = merged.to(torch.float32)
     for f in Path(out).glob("*.safetensors"):
         f.unlink()
     merged.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter if (Path(adapter) / "tokenizer_config.json").exists() else base).save_pretrained(out)
+
+
+def stored_dtype(path: str | Path) -> str:
+    """The dtype a checkpoint's config says its weights are stored in (float32 when it names none)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+
+
+def load_dtype(path: str | Path, compute: str) -> str:
+    """The dtype to load a checkpoint in for decoding: the profile's compute dtype, unless the checkpoint
+    is stored wider (a trained model, merged in float32): its weights are then loaded as they are, so
+    evaluation and the registry see the change training made, not its bf16 rounding."""
+    return "float32" if stored_dtype(path) == "float32" else compute
 
 
 def load_for_training(path: Path, dtype: str, lora: bool, r: int, alpha: int):

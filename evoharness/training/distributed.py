@@ -147,13 +147,36 @@ def training_args(cls, profile: Profile, root: Path, **kwargs):
     its DeepSpeed config is what makes ``from_pretrained`` partition the weights as they load."""
     import torch
 
+    cpu_bf16 = False
     if under_launcher():
         init_process(profile.dist_timeout_s)
         kwargs.update(deepspeed=str(Path(root) / profile.deepspeed_config), accelerator_config={"use_configured_state": True},
                       use_cpu=False, ddp_timeout=profile.dist_timeout_s)
+        cpu_bf16 = bool(kwargs.get("bf16")) and not torch.cuda.is_available()
+        if cpu_bf16:
+            kwargs["bf16"] = False
     else:
         kwargs.update(use_cpu=not (profile.device == "cuda" and torch.cuda.is_available()))
-    return cls(**kwargs)
+    args = cls(**kwargs)
+    if cpu_bf16:
+        _bf16_under_deepspeed(args)
+    return args
+
+
+def _bf16_under_deepspeed(args) -> None:
+    """bf16 for a launch on DeepSpeed's CPU accelerator (tiny-dist trains in bf16 like the GPU box).
+    transformers refuses bf16 unless ``use_cpu`` is set or a bf16 GPU is there, but ``use_cpu`` would
+    take DeepSpeed out of the launch; under DeepSpeed, bf16 is DeepSpeed's to run. So the arguments are
+    made without it and bf16 is switched on after their check, in them and in the DeepSpeed config and
+    plugin derived from them, as their ``__post_init__`` derives those."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args.bf16 = True
+    args.mixed_precision = "bf16"
+    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    args.hf_deepspeed_config.trainer_config_process(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
 
 def partitioned(model) -> bool:
@@ -175,11 +198,12 @@ def group_timeout_s() -> float | None:
 
 def describe(accelerator, loaded_partitioned: bool) -> dict:
     """How the stage ran, for its metrics: processes, DeepSpeed's ZeRO stage, the backend, whether
-    zero.Init applied when the weights loaded, and the process group's timeout (read from the group)."""
+    zero.Init applied when the weights loaded, the precision it trained in, and the process group's
+    timeout (read from the group)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     out = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
            "zero_stage": int(plugin.zero_stage) if plugin is not None else 0, "backend": str(accelerator.state.backend or "none"),
-           "zero3_init": bool(loaded_partitioned)}
+           "zero3_init": bool(loaded_partitioned), "mixed_precision": str(accelerator.mixed_precision)}
     timeout = group_timeout_s()
     if timeout is not None:
         out["group_timeout_s"] = timeout

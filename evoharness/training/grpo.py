@@ -417,6 +417,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         use_vllm=profile.generation == "vllm",
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+        vllm_max_model_length=g.vllm_max_model_length or None,
         shuffle_dataset=False,
         disable_tqdm=True,
         log_completions=False,

@@ -91,6 +91,8 @@ class GRPOSpec(_Strict):
     lora_alpha: int = 128
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="with generation: vllm, the share of each GPU "
                                                "its colocated vLLM engine takes (TRL's colocate mode: one engine per training process)")
+    vllm_max_model_length: int = Field(0, ge=0, description="with generation: vllm, the engine's context (prompt plus reply, "
+                                       "tokens): it sizes the KV cache; 0 leaves it to vLLM, which takes the model's whole context")
     bf16: bool = False
     gradient_checkpointing: bool = False
     save_steps: int = Field(25, ge=1)
@@ -159,14 +161,14 @@ def rows_per_step(p: "Profile") -> dict[str, int]:
 
 
 # The keys (dotted) in which tiny-dist may differ from qwen3-8b-h200: sizes, counts, the device and what
-# follows from it (dtype, vLLM, which needs CUDA; CPU threads). Everything else is the same code path.
+# follows from it (vLLM, which needs CUDA; CPU threads). Everything else, the precision included, is the same code path.
 TOY_DIFFERENCES = frozenset({
-    "base.path", "base.max_length", "base.dtype",
+    "base.path", "base.max_length",
     "sft.lora_r", "sft.lora_alpha", "sft.batch_size", "sft.grad_accum", "sft.max_length", "sft.epochs", "sft.max_steps",
-    "sft.save_steps", "sft.eval_steps", "sft.bf16", "sft.gradient_checkpointing", "sft.threads",
+    "sft.save_steps", "sft.eval_steps", "sft.gradient_checkpointing", "sft.threads",
     "grpo.games_per_step", "grpo.rollouts", "grpo.turns_per_rollout", "grpo.steps", "grpo.micro_batch", "grpo.max_new_tokens",
-    "grpo.max_steps_per_episode", "grpo.save_steps", "grpo.lora_r", "grpo.lora_alpha", "grpo.bf16", "grpo.gradient_checkpointing",
-    "grpo.vllm_gpu_memory_utilization",
+    "grpo.max_steps_per_episode", "grpo.save_steps", "grpo.lora_r", "grpo.lora_alpha", "grpo.gradient_checkpointing",
+    "grpo.vllm_gpu_memory_utilization", "grpo.vllm_max_model_length",
     "num_processes", "episode_workers", "eval_games_per_family", "eval_max_steps", "eval_max_turns",
     "device", "generation",
 })
