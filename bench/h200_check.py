@@ -16,7 +16,7 @@ recomputes (a second forward: 2·N·T and the attention's forward). Both are aga
 It needs torch, transformers, accelerate and peft only (the GPU image's packages): the project's decoder
 (``policies.batched``) imports nothing else. Each figure is printed as soon as it is measured, so a crash
 or a kill part-way still shows what ran. With vLLM installed it also measures vLLM's rollout rate on the
-same model (saved to a temporary folder), constrained by the same regex ``VLLMGenerator`` uses.
+same model (saved to a temporary folder), under the same token-level constraint (``policies.vllm_logits``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ PEAK = 989e12
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                 tie_word_embeddings=False)
-TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False)  # head_dim: vLLM's CPU attention refuses 16
 
 
 def make_model(cfg: dict, device: str, dtype):
@@ -166,8 +166,11 @@ def vllm_rate(model, rows: int, prompt_words: int, new_tokens: int, device: str,
         model.save_pretrained(d)
         tok.save_pretrained(d)
         t0 = time.perf_counter()
+        from evoharness.policies.vllm_logits import ConstraintLogitsProcessor
+
         llm = LLM(model=d, dtype=dtype, max_model_len=min(4096, model.config.max_position_embeddings), enforce_eager=device == "cpu",
-                  gpu_memory_utilization=0.5 if device == "cuda" else 0.9, seed=0)
+                  gpu_memory_utilization=0.5 if device == "cuda" else 0.9, seed=0, logits_processors=[ConstraintLogitsProcessor],
+                  logprobs_mode="processed_logprobs")
         up = time.perf_counter() - t0
         gen = VLLMGenerator(llm, tok, True, 1.0, new_tokens, constrained=True, max_batch=rows, wait_s=0.5)
         admissible = tuple(x.strip() for x in text.split("ADMISSIBLE COMMANDS: ")[1].split("\n")[0].split(" | "))

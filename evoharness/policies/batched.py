@@ -11,7 +11,7 @@ and hands each thread its own result. Generation never runs on an episode thread
 runs on parameters gathered for generation (``unwrap_model_for_generation``), so its forward passes
 need no collective and ranks with different episode lengths never wait on each other.
 ``VLLMGenerator`` hands the batch to a vLLM engine (one per process: colocated with training, or
-evaluation's own), each row with its own seed and its constraint as a regular expression.
+evaluation's own), each row with its own seed and its constraint, applied by the engine token by token.
 
 Each row is decoded under its own ``constrain.ActionConstraint`` and, when sampling, with its own
 seeded generator, so a row's tokens do not depend on which others share its batch (up to float
@@ -20,14 +20,13 @@ rounding of batched matrix products in greedy ties).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from evoharness.chat_format import render
-from evoharness.policies.constrain import MAX_ARG, MAX_THINK, ActionConstraint, _tags
+from evoharness.policies.constrain import ActionConstraint
 
 
 @dataclass
@@ -357,27 +356,12 @@ class BatchedGenerator(Batcher):
         return list(zip(comps, logps))
 
 
-def _escape(text: str) -> str:
-    """Regex metacharacters escaped, spaces left as they are (grammar engines differ on ``\\ ``)."""
-    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
-
-
-def action_regex(admissible: tuple[str, ...], verbs: tuple[str, ...], sep: str = "\n") -> str:
-    """``constrain.ActionConstraint`` as a regular expression for vLLM's structured outputs: the
-    reply's format with the same separator, and an admissible command or an enabled verb with an
-    optional argument after a space. Lengths are in characters here (about 6 per token), in tokens there."""
-    cmds = "|".join(_escape(c) for c in admissible)
-    meta = "|".join(_escape(v) for v in verbs)
-    action = "|".join(x for x in (cmds, f"(?:{meta})(?: [^<]{{1,{6 * MAX_ARG}}})?" if meta else "") if x)
-    sep = sep.replace("\n", "\\n")  # the escape, not a raw newline, for the grammar engine
-    return f"<think>[^<]{{0,{6 * MAX_THINK}}}</think>{sep}<action>(?:{action})</action>"
-
-
 class VLLMGenerator(Batcher):
     """Decodes a batch on a vLLM engine: evaluation's own ``LLM``, or in GRPO the engine TRL keeps
     on each training process (colocate mode), whose weights TRL syncs before every batch of rollouts.
-    Each row carries its seed and its constraint (``action_regex``); the logprobs are vLLM's
-    processed ones, those of the distribution sampled from."""
+    Each row carries its seed and its constraint, which the engine applies token by token with the
+    same grammar as the other decoders (``vllm_logits.ConstraintLogitsProcessor``: the engine must be
+    made with it); the logprobs are vLLM's processed ones, those of the distribution sampled from."""
 
     def __init__(self, llm, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True, max_batch: int = 256,
                  wait_s: float = 0.05):
@@ -385,13 +369,13 @@ class VLLMGenerator(Batcher):
         self.llm = llm
 
     def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
-        repeat = after.split(" ", 1)[0] if after else ""
-        tags = _tags(self.tok)
-        return action_regex(admissible, tuple(v for v in verbs if v != repeat), "\n" if tags is not None and tags.exact else "")
+        c = ActionConstraint(self.tok, admissible, verbs, self.max_new_tokens, after)  # refuses a tokenizer without the tags
+        return [list(admissible), list(verbs), after, self.max_new_tokens] if c.active else None
 
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
+
+        from evoharness.policies.vllm_logits import KEY
 
         params = []
         for r in batch:
@@ -400,7 +384,7 @@ class VLLMGenerator(Batcher):
             if self.sample and r.seed is not None:
                 kw["seed"] = int(r.seed)
             if r.constraint is not None:
-                kw["structured_outputs"] = StructuredOutputsParams(regex=r.constraint)
+                kw["extra_args"] = {KEY: r.constraint}
             params.append(SamplingParams(**kw))
         outs = self.llm.generate([{"prompt_token_ids": r.ids} for r in batch], sampling_params=params, use_tqdm=False)
         res = []

@@ -83,15 +83,19 @@ _GENERATORS: dict[tuple, object] = {}
 _LLMS: dict[tuple, object] = {}
 
 
-def _vllm_engine(path: str, dtype: str):
-    """Evaluation's vLLM engine for a checkpoint (one GPU), made once per process."""
+def _vllm_engine(path: str, dtype: str, device: str = "cuda"):
+    """Evaluation's vLLM engine for a checkpoint (one GPU, or the CPU), made once per process (``release``
+    frees it): the decoding constraint runs inside it, and its log-probs are those sampled from."""
     dtype = load_dtype(path, dtype)
     key = (path, dtype)
     with _LOAD_LOCK:
         if key not in _LLMS:
             from vllm import LLM
 
-            _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85, seed=0)
+            from evoharness.policies.vllm_logits import ConstraintLogitsProcessor
+
+            _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85, seed=0, logits_processors=[ConstraintLogitsProcessor],
+                             logprobs_mode="processed_logprobs", enforce_eager=device == "cpu")  # CPU: no graph compile on 2 cores
         return _LLMS[key]
 
 
@@ -144,7 +148,8 @@ def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, 
             from transformers import AutoTokenizer
 
             real = str(resolve_checkpoint(path))
-            made = VLLMGenerator(_vllm_engine(real, dtype), AutoTokenizer.from_pretrained(real), sample, temperature, max_new_tokens, constrained)
+            made = VLLMGenerator(_vllm_engine(real, dtype, device), AutoTokenizer.from_pretrained(real), sample, temperature, max_new_tokens,
+                                 constrained)
         else:
             tok, model, _ = load(path, device, dtype)
             made = BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained)
