@@ -16,7 +16,7 @@ recomputes (a second forward: 2·N·T and the attention's forward). Both are aga
 It needs torch, transformers, accelerate and peft only (the GPU image's packages): the project's decoder
 (``policies.batched``) imports nothing else. Each figure is printed as soon as it is measured, so a crash
 or a kill part-way still shows what ran. With vLLM installed it also measures vLLM's rollout rate on the
-same model (saved to a temporary folder), under the same token-level constraint (``policies.vllm_logits``).
+same model (saved to a temporary folder), under the same token-level constraint (``policies.vllm_engine``).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def vllm_rate(model, rows: int, prompt_words: int, new_tokens: int, device: str,
         model.save_pretrained(d)
         tok.save_pretrained(d)
         t0 = time.perf_counter()
-        from evoharness.policies.vllm_logits import ConstraintLogitsProcessor
+        from evoharness.policies.vllm_engine import ConstraintLogitsProcessor
 
         llm = LLM(model=d, dtype=dtype, max_model_len=min(4096, model.config.max_position_embeddings), enforce_eager=device == "cpu",
                   gpu_memory_utilization=0.5 if device == "cuda" else 0.9, seed=0, logits_processors=[ConstraintLogitsProcessor],

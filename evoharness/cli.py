@@ -360,6 +360,9 @@ def base_model(
     timing: Optional[Path] = typer.Option(None, help="wall-clock figures of pretraining (kept out of the hashed output)"),
     tokenizer: str = typer.Option("word", help="tiny: word (the tags are tokens) | byte-bpe (like Qwen3's: <action> takes "
                                   "several tokens; the toy GPU profile's base folder)"),
+    heads: Optional[int] = typer.Option(None, help="tiny: attention heads instead of the profile's (tiny-dist's base: 3, so that "
+                                        "head_dim is 32, which vLLM's CPU attention takes; it refuses 16 and 24)"),
+    kv_heads: Optional[int] = typer.Option(None, help="tiny: key/value heads instead of the profile's"),
     params: str = PARAMS,
 ):
     """Make the profile's base model: tiny (built from a config, seeded) or a pretrained path."""
@@ -370,7 +373,12 @@ def base_model(
     if prof.base.kind == "tiny":
         from evoharness.training.tiny import make_tiny_base
 
-        info = make_tiny_base(demos, out, prof.base.model_dump(), seed, timing, tokenizer)
+        cfg = prof.base.model_dump()
+        cfg.update({k: v for k, v in (("heads", heads), ("kv_heads", kv_heads)) if v is not None})
+        if cfg["hidden_size"] % cfg["heads"] or cfg["heads"] % cfg["kv_heads"]:
+            raise EvoError(f"base model: hidden_size {cfg['hidden_size']}, heads {cfg['heads']} and kv_heads {cfg['kv_heads']} do not "
+                           "divide (hidden_size by heads, heads by kv_heads)")
+        info = make_tiny_base(demos, out, cfg, seed, timing, tokenizer)
         typer.echo(f"tiny base: {info['parameters']:,} parameters, vocabulary {info['vocab_size']}")
         return
     from evoharness.training.checkpoint import check_checkpoint, write_pointer

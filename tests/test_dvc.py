@@ -95,8 +95,17 @@ def test_reproduce_by_hash_reports_identical_hashes(repo):
     # This environment is the one the commit's constraints.txt pins; another pin is refused in one line.
     (repo / "constraints.txt").write_text((repo / "constraints.txt").read_text().replace("mlflow==", "mlflow==0.0.1\n# was mlflow=="))
     commit(repo, "-qam", "an environment this machine does not have")
-    with pytest.raises(EvoError, match=r"pins mlflow==0.0.1, the environment of .* has mlflow==3.17.2; reproduce without --no-setup builds"):
+    with pytest.raises(EvoError, match=r"pins mlflow==0.0.1 \(constraints.txt\), the environment of .* has mlflow==3.17.2; reproduce without --no-setup"):
         reproduce("HEAD", repo, echo=lines.append, setup=False)
+    git(["reset", "-q", "--hard", "HEAD~1"], repo)
+    # A stage that ran in the GPU box's environment (its metrics say so) is re-run only in that kind of environment.
+    m = repo / "data" / "metrics" / "validation.json"
+    m.write_text(json.dumps({**json.loads(m.read_text()), "launch": {"environment": "constraints-gpu.txt"}}))
+    commit(repo, "-qam", "validate as if it ran on the GPU box")
+    with pytest.raises(EvoError, match=r"^stage validate of \w+ ran in the environment constraints-gpu.txt pins; this one is constraints.txt's: "
+                                       r"reproduce it there \(`bash scripts/setup.sh --gpu`\), or leave it out with --stage$"):
+        reproduce("HEAD", repo, echo=lines.append, stages=["validate"])
+    assert git(["worktree", "list"], repo).count("\n") == 0  # refused before pulling anything, the scratch worktree removed
     git(["reset", "-q", "--hard", "HEAD~1"], repo)
 
 

@@ -53,6 +53,15 @@ def test_several_models_are_evaluated_in_one_process_under_vllm(twin, tmp_path):
         assert all(r.endswith("</action>") for r in g["replies"]), g
 
 
+def test_the_weight_sync_check_tells_a_synced_engine_from_one_with_other_weights(twin, tmp_path):
+    """GRPO's check after each sync (``grpo.engine_gap``): the engine's log-probs for a fixed probe against the
+    policy's. With the policy's weights it is at bf16's noise; after other weights were loaded the way TRL
+    syncs (garbage, as after a sleep that dropped them), it is above the tolerance that stops the run."""
+    got = _scenario(twin, "weight_sync", tmp_path)
+    assert got["tokens"] > 5 and got["synced"] < got["tolerance"] / 10, got
+    assert got["stale"] > got["tolerance"], got
+
+
 def test_the_gpu_check_measures_vllms_rollout_rate_where_vllm_is(twin, tmp_path):
     """bench/h200_check.py at toy size in the GPU box's environment: with vLLM there, it measures vLLM's
     rollout rate under the same constraint as the project's decoder."""
@@ -64,3 +73,4 @@ def test_the_gpu_check_measures_vllms_rollout_rate_where_vllm_is(twin, tmp_path)
     got = json.loads(out.read_text())
     assert got["vllm"] and "error" not in got["vllm"] and got["vllm"]["replies_per_s"] > 0, got["vllm"]
     assert "rollout replies/s (vLLM)" in r.stdout
+

@@ -360,7 +360,7 @@ class VLLMGenerator(Batcher):
     """Decodes a batch on a vLLM engine: evaluation's own ``LLM``, or in GRPO the engine TRL keeps
     on each training process (colocate mode), whose weights TRL syncs before every batch of rollouts.
     Each row carries its seed and its constraint, which the engine applies token by token with the
-    same grammar as the other decoders (``vllm_logits.ConstraintLogitsProcessor``: the engine must be
+    same grammar as the other decoders (``vllm_engine.ConstraintLogitsProcessor``: the engine must be
     made with it); the logprobs are vLLM's processed ones, those of the distribution sampled from."""
 
     def __init__(self, llm, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True, max_batch: int = 256,
@@ -375,7 +375,7 @@ class VLLMGenerator(Batcher):
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams
 
-        from evoharness.policies.vllm_logits import KEY
+        from evoharness.policies.vllm_engine import KEY
 
         params = []
         for r in batch:

@@ -92,10 +92,12 @@ def _vllm_engine(path: str, dtype: str, device: str = "cuda"):
         if key not in _LLMS:
             from vllm import LLM
 
-            from evoharness.policies.vllm_logits import ConstraintLogitsProcessor
+            from evoharness.policies.vllm_engine import ConstraintLogitsProcessor
 
-            _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85, seed=0, logits_processors=[ConstraintLogitsProcessor],
-                             logprobs_mode="processed_logprobs", enforce_eager=device == "cpu")  # CPU: no graph compile on 2 cores
+            # On the CPU the "GPU" share is of the machine's memory, which the evaluation's environment workers need too.
+            _LLMS[key] = LLM(model=path, dtype=dtype, gpu_memory_utilization=0.85 if device == "cuda" else 0.3, seed=0,
+                             logits_processors=[ConstraintLogitsProcessor], logprobs_mode="processed_logprobs",
+                             enforce_eager=device == "cpu")  # CPU: no graph compile on 2 cores
         return _LLMS[key]
 
 

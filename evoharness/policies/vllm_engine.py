@@ -1,5 +1,8 @@
-"""The decoding constraint inside vLLM: ``constrain.ActionConstraint``, the same token-level grammar the
-model's own decoder and the GRPO trainer apply, as a vLLM logits processor.
+"""What the project's vLLM engines need: the decoding constraint inside the engine, and on a CPU weights that
+TRL's per-update sync can reach.
+
+The constraint: ``constrain.ActionConstraint``, the same token-level grammar the model's own decoder and the
+GRPO trainer apply, as a vLLM logits processor.
 
 A regular expression would count characters: vLLM may then spell an admissible command with tokens the
 grammar never allows (``desk`` as ``d``, ``esk``), and the trainer, which replays the grammar on the
@@ -8,9 +11,16 @@ distribution, and vLLM's processed log-probs (``logprobs_mode="processed_logprob
 mode asks for) are the trainer's. Imported only where vLLM is installed; an engine takes the class as
 ``LLM(logits_processors=[ConstraintLogitsProcessor])`` and a request names its constraint in
 ``SamplingParams.extra_args[KEY]``.
+
+The weights: vLLM's CPU backend repacks each linear layer's weight for its GEMM kernels and frees the
+original, so TRL's colocate sync (``model.load_weights`` every update) fails on it ("Attempted to load
+weight into parameter (torch.Size([0]))"). ``reloadable_weights`` makes an engine built inside it keep plain
+weights on the CPU, which the sync then reaches. GPUs keep their weights: nothing changes there.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
@@ -57,3 +67,25 @@ class ConstraintLogitsProcessor(AdapterLogitsProcessor):
             return logits.masked_fill(~keep, float("-inf"))
 
         return apply
+
+
+@contextmanager
+def reloadable_weights(device: str):
+    """While an engine is built on the CPU: its linear layers compute with ``torch.nn.functional.linear`` on
+    the weights they hold instead of a repacked copy, so that loading new weights later changes what it
+    computes. A no-op for a CUDA engine."""
+    if device != "cpu":
+        yield
+        return
+    from vllm.model_executor.layers import utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+
+    def plain(layer, remove_weight: bool) -> None:
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    utils.dispatch_cpu_unquantized_gemm = plain
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = packed
