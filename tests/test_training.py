@@ -519,8 +519,6 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_constrained_token_by_token(tr
     """Qwen3's tokenizer has no ``<action>`` token: the constraint forces the tags' token sequences and
     still leaves only admissible moves, so every sampled reply of a random model parses and acts legally;
     the masks are not all True. A tokenizer that cannot write the tags at all is refused, never sampled free."""
-    import threading
-
     from evoharness.episode import parse_response
     from evoharness.errors import PolicyError
     from evoharness.policies.batched import BatchedGenerator
@@ -532,15 +530,7 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_constrained_token_by_token(tr
     assert not tags_as_tokens(tok) and tags_as_tokens(load(str(trained["dir"] / "sft"))[0])
     assert len(tok("<action>", add_special_tokens=False)["input_ids"]) > 1 and len(tok("</action>", add_special_tokens=False)["input_ids"]) > 1
     prompts = _demo_prompts(trained["dir"], 6)
-    gen = BatchedGenerator(model, tok, True, 1.0, 40, constrained=True)
-    got: list = [None] * len(prompts)
-
-    def go(i):
-        got[i] = gen(prompts[i][0], seed=i, view=prompts[i][1])
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    got = _decode_together(BatchedGenerator(model, tok, True, 1.0, 40, constrained=True), prompts, 0)
     for s, (_, view) in zip(got, prompts):
         parsed = parse_response(s.text)
         assert parsed.error is None, s.text
@@ -561,8 +551,6 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe
     replays each row's constraint (``constraint_masks``) and renormalises over it, so for a
     constrained sample its per-token log-probs equal the sampler's, and the unconstrained ones do not.
     At both rollout temperatures, and with a tokenizer whose tags take several tokens."""
-    import threading
-
     import torch
 
     from evoharness.policies.batched import BatchedGenerator
@@ -571,15 +559,7 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe
 
     tok, model, _ = load(str(trained["dir"] / "sft" if which == "sft-word" else bpe_base))
     prompts = _demo_prompts(trained["dir"], 4)
-    gen = BatchedGenerator(model, tok, True, temperature, 24, constrained=True)
-    got: list = [None] * len(prompts)
-
-    def go(i):
-        got[i] = gen(prompts[i][0], seed=i, view=prompts[i][1])
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    got = _decode_together(BatchedGenerator(model, tok, True, temperature, 24, constrained=True), prompts, 0)
     width = max(len(s.completion_ids) for s in got)
     for s, (_, view) in zip(got, prompts):
         masks = constraint_masks(tok, [s.completion_ids], [(view.admissible, view.verbs)], 24, width, len(tok))
