@@ -291,7 +291,7 @@ def test_a_small_lora_change_survives_a_bf16_base_into_what_evaluation_loads(tin
     peft_model.save_pretrained(adapter)
     out = tmp_path / "merged"
     out.mkdir()
-    merge_lora(base, adapter, out, "bfloat16")
+    merge_lora(base, adapter, out)  # the base is bf16, as the GPU profile's
     assert stored_dtype(out) == "float32"
     _, evaluated, _ = load(str(out), "cpu", "bfloat16")  # as evaluation loads it under a bf16 profile
     base_w = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()

@@ -127,10 +127,10 @@ def resolve_checkpoint(path: str | Path, root: Path | None = None) -> Path:
     return target
 
 
-def merge_lora(base: Path, adapter: Path, out: Path, dtype: str = "float32") -> None:
+def merge_lora(base: Path, adapter: Path, out: Path) -> None:
     """The adapter folded into its base and saved as a full checkpoint in ``out``, in this process
     (the main one, after training), whatever DeepSpeed config is active. The merge and the saved weights
-    are float32 whatever the profile trains in (``dtype``): at the GPU recipe's learning rates a weight
+    are float32 whatever the profile trains in: at the GPU recipe's learning rates a weight
     moves by about 2e-5, a sixth of bf16's step near the typical |w| of 0.02, so a bf16 merge or save
     would round most of the trained change away (``stored_dtype`` keeps it at evaluation)."""
     import torch
@@ -139,7 +139,6 @@ def merge_lora(base: Path, adapter: Path, out: Path, dtype: str = "float32") -> 
 
     from evoharness.training.distributed import no_zero3_init
 
-    del dtype  # the profile's compute dtype: training's, not the merge's
     with no_zero3_init():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()

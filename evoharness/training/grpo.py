@@ -545,7 +545,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         t0 = time.time()
         result = trainer.train(resume_from_checkpoint=resume)
         wall = time.time() - t0
-    save_trained(trainer, tok, sft_dir, out_dir, g.lora, profile.base.dtype)
+    save_trained(trainer, tok, sft_dir, out_dir, g.lora)
     if main:
         rollouts.bank.save(out_dir / "experience.json")
         shutil.copy(running_curve, curve)

@@ -151,7 +151,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     result = trainer.train(resume_from_checkpoint=resume)
     wall = time.time() - t0
     ev = trainer.evaluate() if len(val_df) else {}
-    save_trained(trainer, tok, base_dir, out_dir, s.lora, profile.base.dtype, profile.base.path if profile.base.kind == "pretrained" else "")
+    save_trained(trainer, tok, base_dir, out_dir, s.lora, profile.base.path if profile.base.kind == "pretrained" else "")
     ds = to_dataset(train_df, tok)
     n_tokens = int(sum(len(tok(p + c, add_special_tokens=False)["input_ids"]) for p, c in zip(ds["prompt"], ds["completion"])))
     rows_seen = int(result.global_step) * s.batch_size * s.grad_accum * profile.num_processes
@@ -176,7 +176,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
     return metrics
 
 
-def save_trained(trainer, tok, base_dir: Path, out_dir: Path, lora: bool, dtype: str, base_ref: str = "") -> None:
+def save_trained(trainer, tok, base_dir: Path, out_dir: Path, lora: bool, base_ref: str = "") -> None:
     """The trained model as a full checkpoint in ``out_dir``. Every process takes part in saving (under
     ZeRO-3 the weights are gathered); with LoRA the main process then merges the adapter into the
     base it was trained on. The folder holds nothing else from an earlier run, and nothing of this
@@ -192,7 +192,7 @@ def save_trained(trainer, tok, base_dir: Path, out_dir: Path, lora: bool, dtype:
     if lora:
         trainer.save_model(str(out_dir / ADAPTER))
         if dist.is_main():
-            merge_lora(base_dir, out_dir / ADAPTER, out_dir, dtype)
+            merge_lora(base_dir, out_dir / ADAPTER, out_dir)
             cfg_path = out_dir / ADAPTER / "adapter_config.json"
             cfg = json.loads(cfg_path.read_text())
             cfg["base_model_name_or_path"] = base_ref or (str(base_dir) if not Path(base_dir).is_absolute() else Path(base_dir).name)
