@@ -91,9 +91,10 @@ def check_origin_push(root: Path, commit: str) -> str | None:
 
 
 def check_remote_writable(root: Path) -> str:
-    """The default DVC remote accepts a write: a probe file put and removed again through DVC's own
-    filesystem for that remote (its plugin, its URL and this machine's credentials, as ``dvc push`` uses
-    them). Returns the remote's name and URL (redacted)."""
+    """The default DVC remote accepts a write, a read and a delete: a probe object put, read back and
+    removed again through DVC's own filesystem for that remote (its plugin, its URL and this machine's
+    credentials, as ``dvc push`` and ``dvc pull`` use them), for every kind (a folder, S3, WebDAV, HTTP,
+    SSH...). Returns the remote's name and URL (redacted)."""
     from dvc.fs import get_cloud_fs
 
     found = default_remote(root)
@@ -107,14 +108,19 @@ def check_remote_writable(root: Path) -> str:
         probe = fs.join(base, f".evoharness-preflight-{uuid.uuid4().hex[:12]}")
         if "://" not in url:
             fs.makedirs(base, exist_ok=True)
-        fs.pipe_file(probe, b"evoharness preflight: this remote accepts a write\n")
-        fs.rm_file(probe)
+        body = f"evoharness preflight {uuid.uuid4().hex}: this remote accepts a write\n".encode()
+        fs.pipe_file(probe, body)
+        try:
+            if fs.cat_file(probe) != body:
+                raise EvoError(f"{where} returned other bytes for the probe object it had just stored; the outputs pushed there could not be pulled")
+        finally:
+            fs.rm_file(probe)
     except EvoError:
         raise
     except Exception as e:  # any plugin's error: a missing plugin, refused credentials, an unreachable host
         text = " ".join(str(e).split())[:200] or type(e).__name__
-        raise EvoError(f"{where} does not accept a write from {root} ({type(e).__name__}: {redact(text)}); "
-                       "the retrain pushes every output there") from None
+        raise EvoError(f"{where} does not accept a write, read and delete from {root} ({type(e).__name__}: {redact(text)}); "
+                       "the retrain pushes every output there and pulls from it") from None
     return f"{name} ({redact(url)})"
 
 

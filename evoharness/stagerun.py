@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from evoharness.errors import EvoError
-from evoharness.lineage import check_remote, check_shared, default_remote, dvc, git, parse_lock, redact, unlock
+from evoharness.lineage import check_remote, check_shared, default_remote, dvc, git, parse_lock, unlock
+from evoharness.secrets import public_url
 
 WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 
@@ -184,7 +185,7 @@ def job_spec(root: Path, stage: str, what: str = "pool") -> dict:
         raise EvoError(f"cannot dispatch stage {stage!r}: uncommitted changes in {', '.join(dirty)} (the worker runs commit HEAD); commit them first")
     origin, commit, remote = check_shared(root, what)
     lock = (root / "dvc.lock").read_text() if (root / "dvc.lock").exists() else ""
-    return {"stage": stage, "repo": redact(origin), "commit": commit, "lock": lock, "remote": remote}
+    return {"stage": stage, "repo": public_url(origin), "commit": commit, "lock": lock, "remote": remote}
 
 
 def push_inputs(root: Path, stage: str) -> list[str]:

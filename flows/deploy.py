@@ -11,6 +11,7 @@ import yaml
 
 from evoharness.errors import EvoError
 from evoharness.lineage import git, is_network_url, redact
+from evoharness.secrets import public_url
 from flows.common import check_prefect
 
 
@@ -49,7 +50,7 @@ def deploy(root: Path, echo=print) -> list[str]:
     if not origin or not is_network_url(origin):
         raise EvoError(f"deploy: the stage jobs clone the code from the git origin, and {root}'s is "
                        f"{redact(origin) if origin else 'not set'}; push to a git server the workers reach and set it (`git remote add origin <url>`)")
-    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=redact(origin), PREFECT_API_URL=url)
+    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=public_url(origin), PREFECT_API_URL=url)
     prefect = Path(sys.executable).parent / "prefect"
     r = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(spec_path)], cwd=root, env=env,
                        capture_output=True, text=True)

@@ -213,6 +213,50 @@ def webdav(hosts_dir):
     _stop(proc)
 
 
+class S3:
+    """A real S3-compatible server (moto's standalone server) on loopback: the DVC remote of teams on S3.
+    Its credentials are the server's own pair; ``remote`` configures a project the way a team would."""
+
+    def __init__(self, port: int):
+        self.port, self.endpoint = port, f"http://127.0.0.1:{port}"
+        self.key_id, self.secret = "AKIAEVOHARNESSTEST01", "evoharness-test-secret-key"
+
+    def bucket(self, name: str) -> str:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key_id, aws_secret_access_key=self.secret,
+                          region_name="us-east-1")
+        s3.create_bucket(Bucket=name)
+        return f"s3://{name}/dvc"
+
+    def configure(self, repo: Path, url: str, name: str = "storage", run=None) -> None:
+        """The remote in the committed config (URL, endpoint), its credentials only in config.local."""
+        from evoharness.lineage import dvc
+
+        dvc(["remote", "add", "-d", "-f", name, url], repo)
+        dvc(["remote", "modify", name, "endpointurl", self.endpoint], repo)
+        dvc(["remote", "modify", "--local", name, "access_key_id", self.key_id], repo)
+        dvc(["remote", "modify", "--local", name, "secret_access_key", self.secret], repo)
+
+    def objects(self, bucket: str) -> list[str]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key_id, aws_secret_access_key=self.secret,
+                          region_name="us-east-1")
+        return [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+
+
+@pytest.fixture(scope="session")
+def s3(hosts_dir):
+    import sys
+
+    port = _free_port()
+    proc = _serve([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "S3 server (moto)",
+                  hosts_dir / "s3.log")
+    yield S3(port)
+    _stop(proc)
+
+
 class GitServer:
     """``git daemon`` on loopback: the origin both hosts clone from (and the orchestrator pushes to)."""
 

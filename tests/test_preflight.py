@@ -85,7 +85,7 @@ def test_the_dvc_remote_must_accept_a_write(tmp_path, webdav):
     dvc(["remote", "modify", "--local", "storage", "password", "wrong-password"], repo)
     with pytest.raises(EvoError) as e:
         preflight.check_remote_writable(repo)
-    assert str(e.value).startswith(f"DVC remote 'storage' (webdav://127.0.0.1:{webdav.port}/preflight) does not accept a write from {repo}")
+    assert str(e.value).startswith(f"DVC remote 'storage' (webdav://127.0.0.1:{webdav.port}/preflight) does not accept a write, read and delete from {repo}")
     assert "wrong-password" not in str(e.value)
     dvc(["remote", "modify", "--local", "storage", "password", webdav.password], repo)
     assert preflight.check_remote_writable(repo) == f"storage (webdav://127.0.0.1:{webdav.port}/preflight)"
@@ -95,6 +95,38 @@ def test_the_dvc_remote_must_accept_a_write(tmp_path, webdav):
     dvc(["remote", "add", "-d", "--local", "broken", str(tmp_path / "a-file" / "remote")], repo)
     with pytest.raises(EvoError, match=r"DVC remote 'broken' \(.*a-file/remote\) does not accept a write"):
         preflight.check_remote_writable(repo)
+
+
+def test_an_s3_remote_is_probed_with_a_write_a_read_and_a_delete(tmp_path, s3):
+    """dvc-s3 is installed and S3 remotes are checked like every other kind, against a real S3 server."""
+    repo = make_project(tmp_path, MICRO)
+    (repo / ".dvc" / "config.local").unlink()
+    url = s3.bucket("preflight")
+    s3.configure(repo, url)
+    assert preflight.check_remote_writable(repo) == f"storage ({url})"
+    assert s3.objects("preflight") == []  # the probe object is gone
+    # (moto's server takes any key pair; a refused one is the same error path as these two)
+    dvc(["remote", "modify", "storage", "endpointurl", f"http://127.0.0.1:{_closed_port()}"], repo)
+    with pytest.raises(EvoError) as e:
+        preflight.check_remote_writable(repo)
+    assert str(e.value).startswith(f"DVC remote 'storage' ({url}) does not accept a write, read and delete from {repo}") and s3.secret not in str(e.value)
+    dvc(["remote", "modify", "storage", "endpointurl", s3.endpoint], repo)
+    dvc(["remote", "modify", "storage", "url", "s3://no-such-bucket/dvc"], repo)
+    with pytest.raises(EvoError, match=r"^DVC remote 'storage' \(s3://no-such-bucket/dvc\) does not accept a write, read and delete .*"):
+        preflight.check_remote_writable(repo)
+    # The whole path: outputs pushed to the S3 server and pulled back by hash into a fresh cache.
+    dvc(["remote", "modify", "storage", "url", url], repo)
+    (repo / "data").mkdir(exist_ok=True)
+    (repo / "data" / "probe.txt").write_text("pushed to S3\n")
+    dvc(["add", "data/probe.txt"], repo)
+    dvc(["push", "data/probe.txt.dvc"], repo)
+    assert any(k.startswith("dvc/files/md5/") for k in s3.objects("preflight"))
+    import shutil
+
+    shutil.rmtree(repo / ".dvc" / "cache")
+    (repo / "data" / "probe.txt").unlink()
+    dvc(["pull", "data/probe.txt.dvc"], repo)
+    assert (repo / "data" / "probe.txt").read_text() == "pushed to S3\n"
 
 
 def test_mlflow_must_accept_a_run_an_artifact_a_version_and_an_alias(mlflow_store, tmp_path):

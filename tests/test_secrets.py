@@ -16,8 +16,20 @@ SECRET = "s3cr3t-t0ken"
 
 
 def test_redact():
-    assert redact(f"https://evo:{SECRET}@git.example.com/x.git") == "https://git.example.com/x.git"
-    assert redact(f"webdav://u:{SECRET}@127.0.0.1:8080/store and s3://b/k?token={SECRET}&x=1") == "webdav://127.0.0.1:8080/store and s3://b/k?token=***&x=1"
+    assert redact(f"https://evo:{SECRET}@git.example.com/x.git") == "https://evo:***@git.example.com/x.git"
+    assert redact(f"webdav://u:{SECRET}@127.0.0.1:8080/store and s3://b/k?token={SECRET}&x=1") == "webdav://u:***@127.0.0.1:8080/store and s3://b/k?token=***&x=1"
+    assert redact(f"https://evo:{SECRET}@{SECRET}@h/x.git") == "https://evo:***@h/x.git"  # a raw '@' in the password
+    assert redact(f"https://ghp_{SECRET}{SECRET}{SECRET}@github.com/o/r.git") == "https://***@github.com/o/r.git"  # a token as the user
+
+
+def test_git_urls_keep_their_user_and_lose_only_their_secret():
+    """The worker must log in as the URL's user (a forge refuses its own), so that user is never stripped."""
+    from evoharness.secrets import public_url
+
+    for url in ("ssh://git@git.example.com/evoharness.git", "git@git.example.com:team/evoharness.git", "https://ci@git.example.com/x.git"):
+        assert redact(url) == url and public_url(url) == url
+    assert public_url(f"https://evo:{SECRET}@git.example.com/x.git") == "https://evo@git.example.com/x.git"
+    assert public_url(f"https://ghp_{SECRET}{SECRET}{SECRET}@github.com/o/r.git") == "https://github.com/o/r.git"
     assert SECRET not in str(EvoError(f"remote https://u:{SECRET}@h/p is down"))  # no error line ever carries one
 
 
@@ -33,20 +45,20 @@ def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_serv
     git(["remote", "add", "origin", fake], repo)
     with pytest.raises(EvoError) as e:
         stagerun.job_spec(repo, "sft_inline", "--pool h200")  # not pushed yet
-    assert SECRET not in str(e.value) and "https://git.example.com/evoharness.git" in str(e.value)
+    assert SECRET not in str(e.value) and "https://evo:***@git.example.com/evoharness.git" in str(e.value)
     git(["push", "-q", "origin", "main"], repo)
     dvc(["remote", "add", "-d", "storage", f"webdav://evo:{SECRET}@127.0.0.1:9/store"], repo)
     commit(repo, "-qam", "remote")
     git(["push", "-q", "origin", "main"], repo)
     spec = stagerun.job_spec(repo, "sft_inline", "--pool h200")
-    assert spec["repo"] == "https://git.example.com/evoharness.git" and SECRET not in json.dumps(spec)
+    assert spec["repo"] == "https://evo@git.example.com/evoharness.git" and SECRET not in json.dumps(spec)
     # The remote itself unreachable: the line names it, not its password.
     from evoharness.lineage import check_remote
 
     (repo / ".dvc" / "config.local").unlink()  # the local default of make_project
     with pytest.raises(EvoError) as e:
         check_remote(repo)
-    assert "webdav://127.0.0.1:9/store" in str(e.value) and SECRET not in str(e.value)
+    assert "webdav://evo:***@127.0.0.1:9/store" in str(e.value) and SECRET not in str(e.value)
 
 
 def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store, tmp_path):
@@ -59,6 +71,6 @@ def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store
     tracking.set_tags(c, run.info.run_id, {"origin": f"https://evo:{SECRET}@git.example.com/x.git"})
     got = c.get_run(run.info.run_id).data
     assert SECRET not in json.dumps(got.params) and SECRET not in json.dumps(got.tags)
-    assert got.params["remote.url"] == "webdav://dav.example.com/store" and got.tags["origin"] == "https://git.example.com/x.git"
+    assert got.params["remote.url"] == "webdav://evo:***@dav.example.com/store" and got.tags["origin"] == "https://evo:***@git.example.com/x.git"
     pol = ChatPolicy(f"https://evo:{SECRET}@llm.example.com/v1", "m", "NO_SUCH_KEY_VAR")
-    assert SECRET not in pol.fingerprint() and "https://llm.example.com/v1" in pol.fingerprint()
+    assert SECRET not in pol.fingerprint() and "https://evo:***@llm.example.com/v1" in pol.fingerprint()
