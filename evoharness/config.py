@@ -78,6 +78,34 @@ class EvalParams(_Strict):
     baselines: list[str] = Field(default_factory=lambda: ["teacher", "random"])
 
 
+POOL_STAGES = ["base_model", "sft_inline", "sft_env_only", "grpo", "evaluate"]
+
+
+class PoolParams(_Strict):
+    """How a retrain given a work pool (``--pool``) runs its jobs there."""
+    stages: list[str] = Field(default_factory=lambda: list(POOL_STAGES),
+                              description="the stages that run on the pool (every stage that reads or makes a model)")
+    silence_s: float = Field(90, ge=60, description="a job with no heartbeat for this long (the server answering) is cancelled; "
+                             "three of prefect.yaml's 30-second heartbeats")
+    fence_s: float = Field(600, ge=600, description="a job that has not reached the Prefect server for this long stops its stage; the "
+                           "orchestrator declares it lost only this long (plus a margin) after the server is back")
+    time_limit_s: dict[str, dict[str, float]] = Field(default_factory=dict, description="per profile, per stage (key 'default': every other "
+                                                      "stage): a job running longer is killed and the retrain fails")
+
+    @field_validator("time_limit_s")
+    @classmethod
+    def _limits(cls, v: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for prof, limits in v.items():
+            bad = [k for k, s in (limits or {}).items() if not isinstance(s, (int, float)) or s <= 0]
+            if bad:
+                raise ValueError(f"{prof}: time limits must be positive seconds ({bad})")
+        return v
+
+    def time_limit(self, profile: str, stage: str) -> float:
+        limits = self.time_limit_s.get(profile) or {}
+        return float(limits.get(stage) or limits.get("default") or 6 * 3600)
+
+
 class Params(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -91,6 +119,7 @@ class Params(_Strict):
     pairs: PairsParams = PairsParams()
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
     eval: EvalParams = EvalParams()
+    pool: PoolParams = PoolParams()
 
 
 def _one_line(e: ValidationError, where: str) -> str:

@@ -12,6 +12,7 @@ entry into its own lock and pulls the outputs it names: the hashes decide what a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -200,14 +201,13 @@ def workspace(repo: str, stage: str, home: Path | None = None) -> Path:
     return Path(home or os.environ.get("EVOHARNESS_WORKER_HOME") or WORKER_HOME) / key / stage
 
 
-def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
-    """The worker's side: checkout, pull inputs by hash, run, push; return the new lock entry."""
+def checkout(spec: dict, home: Path | None = None, echo=print) -> Path:
+    """The worker's workspace for the stage, at the dispatched commit itself (fetched from the origin;
+    never the default branch's HEAD), cleaned of everything but checkpoints, models and DVC's cache."""
     import socket
 
     stage, repo, commit = spec["stage"], spec["repo"], spec["commit"]
     ws = workspace(repo, stage, home)
-    host = socket.gethostname()
-    t0 = time.time()
     if not (ws / ".git").exists():
         ws.parent.mkdir(parents=True, exist_ok=True)
         git(["clone", "-q", "--no-checkout", repo, str(ws)], ws.parent)
@@ -216,18 +216,58 @@ def run_job(spec: dict, home: Path | None = None, echo=print) -> StageResult:
         git(["fetch", "-q", "origin"], ws)
     git(["checkout", "-q", "--force", "--detach", commit], ws)
     git(["clean", "-q", "-fdx", "-e", "data/checkpoints", "-e", ".dvc/config.local", "-e", ".dvc/cache", "-e", ".dvc/tmp", "-e", "models"], ws)
-    echo(f"{stage}: checked out {commit[:12]} of {repo} in {ws} on {host}")
+    if git(["rev-parse", "HEAD"], ws) != commit:
+        raise EvoError(f"{stage} on {socket.gethostname()}: the workspace {ws} is not at the dispatched commit {commit[:12]} after its checkout")
+    echo(f"{stage}: checked out {commit[:12]} of {repo} in {ws} on {socket.gethostname()}")
+    return ws
+
+
+@contextlib.contextmanager
+def workspace_lock(ws: Path, echo=print):
+    """This box's hold on the stage's workspace: an exclusive ``flock`` on a file beside it, so two jobs of
+    one stage on one box take turns. It is local on purpose: it needs no server (a Prefect outage cannot
+    take it away) and the kernel drops it when its holder dies (nothing to expire)."""
+    import fcntl
+
+    path = Path(ws).parent / f".{Path(ws).name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            echo(f"waiting for the workspace {ws}: another job of this stage runs on this box")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield path
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_checked_out(spec: dict, ws: Path, echo=print) -> StageResult:
+    """The job inside its checkout, with the commit's own code (``evoharness.stagejob`` runs it there):
+    check the remote, install the orchestrator's lock, pull the inputs by hash, run, push."""
+    import socket
+
+    from evoharness.preflight import check_remote_writable
+
+    stage, commit = spec["stage"], spec["commit"]
+    host = socket.gethostname()
+    t0 = time.time()
     found = default_remote(ws)
     if found is None or found[0] != spec["remote"]:
         raise EvoError(f"{stage}: commit {commit[:12]} names DVC remote {found[0] if found else 'none'!r}, the orchestrator {spec['remote']!r}")
     try:
         check_remote(ws)
+        check_remote_writable(ws)  # with this box's own credentials: a write, a read and a delete
     except EvoError as e:
         raise EvoError(f"{stage} on worker {host}: {e}") from None
     clear_stale_locks(ws)  # a job killed here before (its worker died) left DVC's lock behind
     shared_cache = ws.parent / "dvc-cache"
     dvc(["cache", "dir", "--local", str(shared_cache)], ws)
-    (ws / "dvc.lock").write_text(spec["lock"])
+    if spec["lock"].strip():
+        (ws / "dvc.lock").write_text(spec["lock"])
+    else:  # the first stage of a pipeline: no lock yet (DVC refuses an empty one)
+        (ws / "dvc.lock").unlink(missing_ok=True)
     ups = upstream(ws, stage)
     if ups:
         dvc(["pull", *ups], ws)
@@ -260,3 +300,64 @@ def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = 
     if changed:
         raise EvoError(f"stage {stage!r}: the job's outputs do not match this checkout ({json.dumps(changed)[:300]}); was the job run on another commit?")
     return {o["path"]: o.get("md5", "") for o in entry["outs"]}
+
+
+def run_in_checkout(spec: dict, ws: Path, time_limit_s: float, fenced=lambda: None, echo=print, poll_s: float = 1.0) -> StageResult:
+    """Run the job (``run_checked_out``) in a subprocess started in the checkout, so the dispatched
+    commit's own code runs it, not the worker's copy. The subprocess and everything it starts (DVC, the
+    launcher, the training processes) form one process group, killed as a whole when the stage passes
+    its time limit, when ``fenced()`` says this box lost the orchestrator (returns why), and whenever this
+    process leaves early (a cancellation). A job whose driver is killed outright kills its own group too
+    (``stagejob`` watches its parent)."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    stage = spec["stage"]
+    with tempfile.TemporaryDirectory(prefix=f"evoharness-job-{stage}-") as d:
+        spec_f, result_f = Path(d) / "spec.json", Path(d) / "result.json"
+        spec_f.write_text(json.dumps(spec))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PYTHONPATH", None)  # the checkout's code, first on sys.path as the working directory of `-m`
+        proc = subprocess.Popen([sys.executable, "-m", "evoharness.stagejob", str(spec_f), str(result_f)], cwd=ws, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        tail: list[str] = []
+
+        def relay() -> None:
+            for line in proc.stdout:
+                tail[:] = (tail + [line.rstrip()])[-20:]
+                echo(line.rstrip())
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        t0, why = time.monotonic(), None
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - t0 > time_limit_s:
+                    why = f"ran past its time limit of {time_limit_s:.0f} s"
+                else:
+                    why = fenced()
+                if why:
+                    break
+                time.sleep(poll_s)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the job started and left behind
+            reader.join(5)
+        if why:
+            raise EvoError(f"stage {stage!r} on {machine()}: {why}; its processes were killed")
+        if proc.returncode or not result_f.exists():
+            last = next((ln for ln in reversed(tail) if ln.strip()), f"exit status {proc.returncode}")
+            raise EvoError(last[len("error: "):] if last.startswith("error: ") else f"stage {stage!r}: the job ended with exit status {proc.returncode} ({last[:300]})")
+        return StageResult(**json.loads(result_f.read_text()))

@@ -16,8 +16,8 @@ from evoharness.cli import main as _main
 @app.command()
 def run(
     params: str = PARAMS,
-    pool: Optional[str] = typer.Option(None, help="work pool for the model stages (base, SFT, GRPO, evaluate) via its train-stage "
-                                       "deployment; default: in-process"),
+    pool: Optional[str] = typer.Option(None, help="work pool for the stages params' pool.stages names (the model stages) via its "
+                                       "train-stage deployment; default: in-process"),
 ):
     """The main job: the `retrain` Prefect flow end to end (data, GX gate, SFT, GRPO, evaluation,
     promotion), tracked in MLflow; DVC reuses every stage whose inputs did not change."""
@@ -45,7 +45,7 @@ def run(
 
 @app.command()
 def deploy():
-    """Register prefect.yaml's deployments: work pools, the DVC concurrency limit, the retrain crons."""
+    """Register prefect.yaml's deployments: work pools, the retrain crons (a re-deploy keeps which are active)."""
     from evoharness.lineage import repo_root
     from flows.deploy import deploy as run_deploy
 

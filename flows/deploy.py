@@ -1,4 +1,7 @@
-"""Register the project's deployments (prefect.yaml) with their work pools and the DVC limit."""
+"""Register the project's deployments (prefect.yaml) with their work pools. A re-deploy keeps what the
+team chose on the server: which deployments are paused and which schedules are active (prefect.yaml's
+``active`` is only the first registration's; ``prefect deploy`` alone would reset it, so that, say, the
+CPU ``retrain`` schedule came back beside ``retrain-h200``'s and the Monday cron trained on the scheduler)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,43 @@ from evoharness.errors import EvoError
 from evoharness.lineage import git, is_network_url, redact
 from evoharness.secrets import public_url
 from flows.common import check_prefect
+
+
+def _schedule_key(s) -> str:
+    sched = s.schedule
+    return str(getattr(sched, "cron", None) or getattr(sched, "interval", None) or getattr(sched, "rrule", None) or sched)
+
+
+def _server_choices(names: list[str]) -> dict:
+    """For each deployment already registered: whether it is paused, and each schedule's active flag."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    kept = {}
+    with get_client(sync_client=True) as c:
+        for name in names:
+            try:
+                dep = c.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+            kept[name] = {"paused": bool(dep.paused), "active": {_schedule_key(s): s.active for s in c.read_deployment_schedules(dep.id)}}
+    return kept
+
+
+def _restore_choices(kept: dict, echo) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        for name, was in kept.items():
+            dep = c.read_deployment_by_name(name)
+            for s in c.read_deployment_schedules(dep.id):
+                want = was["active"].get(_schedule_key(s))
+                if want is not None and want != s.active:
+                    c.update_deployment_schedule(dep.id, s.id, active=want)
+                    echo(f"kept {name}'s schedule {_schedule_key(s)} {'active' if want else 'inactive'}, as it was on the server")
+            if was["paused"] and not c.read_deployment_by_name(name).paused:
+                c.pause_deployment(dep.id)
+                echo(f"kept {name} paused, as it was on the server")
 
 
 def deploy(root: Path, echo=print) -> list[str]:
@@ -41,9 +81,8 @@ def deploy(root: Path, echo=print) -> list[str]:
             except ObjectNotFound:
                 c.create_work_pool(WorkPoolCreate(name=name, type="process", description=f"EvoHarness {name} machines"))
                 echo(f"created work pool {name!r} (process)")
-    from tasks.stages import ensure_limit
-
-    ensure_limit(root)
+    names = [f"{d['entrypoint'].split(':')[-1].replace('_', '-')}/{d['name']}" for d in deps]
+    kept = _server_choices(names)
     # The stage jobs clone the code from the git origin on whichever machine runs them; the retrain
     # deployments run on this machine's scheduler worker, in this very checkout (its data and stores).
     origin = git(["config", "--get", "remote.origin.url"], root, check=False)
@@ -57,7 +96,7 @@ def deploy(root: Path, echo=print) -> list[str]:
     if r.returncode != 0:
         lines = [ln.strip(" │╭╮╰╯─") for ln in (r.stdout + r.stderr).splitlines() if ln.strip(" │╭╮╰╯─")]
         raise EvoError(f"prefect deploy failed in {root}: {lines[-1] if lines else 'no output'}")
-    names = [f"{d['entrypoint'].split(':')[-1].replace('_', '-')}/{d['name']}" for d in deps]
+    _restore_choices(kept, echo)
     for d in deps:
         sched = ", ".join(f"cron {s['cron']} {s.get('timezone', 'UTC')}" for s in d.get("schedules") or [] if "cron" in s)
         echo(f"deployment {d['name']!r} on pool {d['work_pool']['name']!r}" + (f" ({sched})" if sched else ""))

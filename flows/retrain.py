@@ -24,13 +24,10 @@ from evoharness.tracking import tracking_uri
 from tasks import stages as st
 from tasks import tracking as tr
 
-# What runs on a pool when one is given: every stage that reads or makes a model. A pretrained base's
-# weights live on the GPU box (base_model checks them there), and evaluating an 8B model needs its GPUs.
-DISPATCHED = ("base_model", "sft_inline", "sft_env_only", "grpo", "evaluate")
 GATE = "validate"
 
 
-def preflight(root: Path, params_path: str, pool: str | None = None, echo=None) -> str:
+def preflight(root: Path, params_path: str, pool: str | None = None, echo=None):
     """Everything that can be checked before an hour of work, the end of the run included: the params
     and profile, git, the DVC remote (reachable and accepting a write) and its lock, the MLflow store
     (a run, an artifact, a model version and an alias; the champion's evidence), the git record (a commit
@@ -61,7 +58,11 @@ def preflight(root: Path, params_path: str, pool: str | None = None, echo=None) 
     say(f"preflight: the git record can be committed, as {who}")
     pushed_to = pf.check_origin_push(root, commit)
     say(f"preflight: origin {pushed_to} accepts the record's push" if pushed_to else "preflight: no network git origin; the record stays in this repository")
-    return p.profile
+    if pool:
+        unknown = [s for s in p.pool.stages if s not in stagerun.stages(root)]
+        if unknown:
+            raise EvoError(f"{root / params_path}: pool.stages names {unknown}, which dvc.yaml does not have")
+    return p
 
 
 class _Monitor:
@@ -110,10 +111,10 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     (``deployment`` overrides its name); none runs every stage in this process."""
     log = get_run_logger()
     rootp = Path(root).resolve()
-    profile = preflight(rootp, params, pool, log.info)
+    p = preflight(rootp, params, pool, log.info)
+    profile = p.profile
     if pool:
         check_deployment(deployment or f"train-stage/train-stage-{pool}", pool)
-    st.ensure_limit(rootp)
     names = stagerun.stages(rootp)
     t0 = time.time()
     # The parent run is created beside the first stage (a fresh MLflow store migrates for seconds);
@@ -124,32 +125,32 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
     summary: dict = {}
     try:
         with st.dvc_slot(rootp, log.info) as slot:  # one slot for everything this retrain writes
+            if slot.previous:  # its holder died holding it: close what it left open
+                tr.close_orphan(str(rootp), slot.previous, log.info)
+            slot.mark(parent_run_id=parent_f.result(), flow_run_id=str(flow_run.id) if flow_run.id else None)
             all_cached = st.pipeline_up_to_date(str(rootp))
             ran, cached = [], []
             for stage in names:
-                slot.check()
                 if all_cached:
                     res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
                 elif stage == GATE:
                     res = st.validate_stage(str(rootp), stage)
-                elif pool and stage in DISPATCHED:
-                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", pool, poll_s)
+                elif pool and stage in p.pool.stages:
+                    limits = {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s, "time_limit_s": p.pool.time_limit(profile, stage)}
+                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", pool, limits, poll_s)
                 else:
                     res = st.run_stage(str(rootp), stage)
                 (ran if res.ran else cached).append(stage)
                 log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
                 st.publish(res, tr.read_metrics(rootp, stage), str(rootp))
                 tr.log_stage(str(rootp), parent_f.result(), res)
-            if ran:
-                st.push_all(str(rootp))
-            slot.check()
+            st.push_all(str(rootp))  # also what an earlier run's interrupted push left out
+            st.check_on_remote(str(rootp))  # the record names only what the remote holds
             parent = parent_f.result()
             decision = tr.promote(str(rootp), parent, params, profile)  # decided, not yet final: no alias has moved
             summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
                        "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
-            slot.check()
             rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran
-            slot.check()
             tr.finalize(str(rootp), decision, rec["git_ref"])  # the aliases move only once the record exists
             tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
         return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1), **rec}

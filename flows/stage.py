@@ -1,28 +1,103 @@
 """The job a work pool runs: one DVC stage in a clean checkout of the dispatched commit, cloned from
 the git origin under the worker's own home.
 
-Inputs arrive by hash from the DVC remote and outputs leave the same way; the stage's new
-``dvc.lock`` entry is published as an artifact the orchestrator reads back. The flow run sends
-Prefect's heartbeats while it runs (prefect.yaml), which is how the orchestrator knows it is alive.
+This flow is only the driver (its code is whatever the pull step cloned): it checks out the dispatched
+commit, refuses a box whose packages differ from the commit's constraints file, holds the workspace
+with a local lock, and runs the job with the commit's own code in a subprocess (``stagerun.run_in_checkout``),
+killed at the stage's time limit or when this box has not reached the Prefect server for ``fence_s``.
+Inputs arrive by hash from the DVC remote and outputs leave the same way; the stage's new ``dvc.lock``
+entry is published as an artifact the orchestrator reads back. The flow run sends Prefect's heartbeats
+while it runs (prefect.yaml), which is how the orchestrator knows it is alive.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from evoharness import stagerun
-from tasks.stages import JOB_ARTIFACT, dvc_slot, ensure_limit, job_markdown
+from evoharness.errors import EvoError
+from flows.common import prefect_api
+from tasks.stages import JOB_ARTIFACT, job_markdown
+
+DEFAULT_TIME_LIMIT_S = 6 * 3600
+DEFAULT_FENCE_S = 600
+
+
+class Fence:
+    """Whether this box still reaches the Prefect server: probed every ``every_s``; once it has not for
+    ``fence_s``, the orchestrator may have declared the job lost, so the job stops (``__call__`` says why)."""
+
+    def __init__(self, fence_s: float, every_s: float = 10.0):
+        self.fence_s, self.every_s = fence_s, every_s
+        self.url = (prefect_api() or "").rstrip("/")
+        self.last_ok = time.monotonic()
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, daemon=True, name="prefect-fence").start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.last_ok = time.monotonic()
+            except OSError:
+                pass
+
+    def __call__(self) -> str | None:
+        away = time.monotonic() - self.last_ok
+        if self.url and away > self.fence_s:
+            return f"has not reached the Prefect server {self.url} for {away:.0f} s (fence_s {self.fence_s:.0f}): fenced, the orchestrator may have given it up"
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def box_name() -> str:
+    """How the orchestrator names this box in its messages: ``EVOHARNESS_MACHINE`` (an instance or rack name), else the host name."""
+    import os
+
+    return os.environ.get("EVOHARNESS_MACHINE", "").strip() or socket.gethostname()
+
+
+def _name_the_box() -> None:
+    """Tag this job's flow run ``box:<name>``: a flow run records the worker's pid, not its machine."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(flow_run.id)
+        c.update_flow_run(flow_run.id, tags=[*fr.tags, f"box:{box_name()}"])
 
 
 @flow(name="train-stage", log_prints=True)
 def train_stage(spec: dict, home: str | None = None) -> dict:
-    """spec: {stage, repo, commit, lock, remote} as built by the orchestrator (``stagerun.job_spec``)."""
-    ws = stagerun.workspace(spec["repo"], spec["stage"], Path(home) if home else None)
-    ensure_limit(ws)
-    with dvc_slot(ws, print):
-        res = stagerun.run_job(spec, Path(home) if home else None, echo=print)
+    """spec: {stage, repo, commit, lock, remote, time_limit_s, fence_s} as built by the orchestrator (``stagerun.job_spec``)."""
+    from evoharness.reproduce import environment_mismatch
+
+    _name_the_box()
+    home_p = Path(home) if home else None
+    ws = stagerun.workspace(spec["repo"], spec["stage"], home_p)
+    with stagerun.workspace_lock(ws, print):
+        ws = stagerun.checkout(spec, home_p, print)
+        mismatch = environment_mismatch(spec["commit"], ws)
+        if mismatch:
+            raise EvoError(f"stage {spec['stage']!r} on {box_name()}: {mismatch}; this box does not run the commit's environment: "
+                           "build it there (`bash scripts/setup.sh` at that commit) and rerun the retrain")
+        fence = Fence(float(spec.get("fence_s") or DEFAULT_FENCE_S))
+        try:
+            # The job's output reaches the flow run's logs through its logger (a thread's print() would not).
+            res = stagerun.run_in_checkout(spec, ws, float(spec.get("time_limit_s") or DEFAULT_TIME_LIMIT_S), fence, get_run_logger().info)
+        finally:
+            fence.close()
     create_markdown_artifact(key=JOB_ARTIFACT, markdown=job_markdown(res), description=f"outputs of {res.stage} by hash")
     return {"stage": res.stage, "ran": res.ran, "seconds": res.seconds, "outs": {k: v for k, v in res.hashes().items() if k.startswith("out:")}}

@@ -1,29 +1,32 @@
 """Prefect tasks over DVC stages: run one here, dispatch one to a work pool, receive its outputs.
 
-DVC locks the repo, so two commands at once fail. Every DVC command runs while its caller holds
-the repository's slot of a global concurrency limit of one: a retrain takes the slot once for its
-whole run (a second retrain of the same repo, say a scheduled one beside a manual one, waits for
-it), and a pool job takes the slot of its own checkout. The slot is per repository path: a job's
-clean checkout on a worker is another repository, so the orchestrator waiting for it never
-deadlocks it. The slot is a lease (``DvcSlot``) renewed every ``RENEW_S``; one that cannot be
-renewed (revoked, expired while the server was away) stops the retrain at once, killing the DVC
-command it was running, instead of letting it run unprotected beside the next holder. A killed
-holder's lease expires ``LEASE_S`` after its last renewal.
+DVC locks the repo, so two commands at once fail. A retrain holds its checkout's slot for its whole run
+(``dvc_slot``): an exclusive ``flock`` on a file in the checkout, so a second retrain of the same checkout
+(a scheduled one beside a manual one) waits for it. The slot is local on purpose: it guards this
+checkout's own DVC state, it needs no server (a Prefect restart of any length cannot take it away; the
+server's concurrency leases live in its memory unless configured otherwise) and the kernel frees it the
+moment its holder dies (nothing to expire, nothing stuck). A pool job holds its own workspace the same
+way on its box (``stagerun.workspace_lock``).
 
-A dispatched job is watched, never waited on blindly: its flow run sends Prefect's heartbeats every
-``JOB_HEARTBEAT_S`` (prefect.yaml sets the frequency), and a job silent for ``job_lease_s()`` (a
-worker killed, its machine gone) is marked crashed and the retrain stops with one line naming the
-stage and the worker. The tasks carry no tags: Prefect takes a tag concurrency slot for every tagged
-task run, one more write per task that a busy SQLite server may answer with 503 and a back-off.
+A dispatched job is watched, never waited on blindly, and only by clocks that cannot disagree: the
+orchestrator notes, on its own monotonic clock, when it first sees each new heartbeat of the job's
+flow run (prefect.yaml: every ``JOB_HEARTBEAT_S``), so a box whose clock is minutes off is judged like
+any other. A job silent for ``pool.silence_s`` while the server answers, or running past its stage's
+time limit, is moved to ``Cancelling``, so that its worker kills it (with everything it started), and the
+retrain fails in one line naming the stage and the box. While the server is away nothing is judged;
+once it is back, a job gets ``pool.fence_s`` plus a margin to be heard from again (a job that cannot
+reach the server for ``fence_s`` stops its stage itself). A retrain rerun after its orchestrator died
+adopts the job still in flight for the same commit, stage and inputs (or its finished result) instead
+of dispatching a duplicate. The tasks carry no tags: Prefect takes a tag concurrency slot for every
+tagged task run, one more write per task that a busy SQLite server may answer with 503 and a back-off.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
-import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -35,119 +38,61 @@ from prefect.cache_policies import NO_CACHE
 from evoharness import stagerun
 from evoharness.errors import EvoError
 
-LEASE_S = 60  # the server's shortest lease
-RENEW_S = 10
-JOB_HEARTBEAT_S = 30  # prefect.yaml: PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the stage jobs (Prefect's minimum)
+JOB_HEARTBEAT_S = 30  # prefect.yaml: PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the stage jobs
 JOB_ARTIFACT = "stage-job-result"
-
-
-def job_lease_s() -> float:
-    """How long a running job may stay silent before it is declared dead: three heartbeats."""
-    return float(os.environ.get("EVOHARNESS_JOB_LEASE_S", 3 * JOB_HEARTBEAT_S))
+JOB_TAG = "evoharness-job:"
+CANCEL_WAIT_S = 90  # how long the watch waits for a worker to kill a job it moved to Cancelling
+LOST_MARGIN_S = 120  # after the server's return, on top of fence_s
 
 
 def job_pickup_s() -> float:
     """How long a dispatched job may wait for a worker while none of the pool's workers is online."""
+    import os
+
     return float(os.environ.get("EVOHARNESS_JOB_PICKUP_S", 600))
 
 
-def limit_name(root: Path) -> str:
-    return "dvc-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
-
-
-def ensure_limit(root: Path) -> str:
-    from prefect.client.orchestration import get_client
-
-    name = limit_name(root)
-    with get_client(sync_client=True) as c:
-        c.upsert_global_concurrency_limit_by_name(name, 1)
-    return name
-
-
 class DvcSlot:
-    """The repository's slot of its global concurrency limit (one), held as a lease for the block.
-    Every DVC command inside is guarded (``lineage.guarded``): once the lease is lost, the command
-    running is killed and the block raises one line. ``check()`` raises the same between commands."""
+    """The checkout's slot: an exclusive ``flock`` on ``.dvc/tmp/evoharness-retrain.lock``, held for the block.
+    The holder writes who it is into the file (``mark``) and empties it when it leaves, so the next holder
+    finds there what a holder that died left open (``previous``): its MLflow run, its flow run."""
 
     def __init__(self, root: Path, log=None):
-        self.root, self.name, self.log = Path(root), limit_name(root), log
-        self.lease_id = None
-        self.lost: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.root, self.log = Path(root), log
+        self.path = self.root / ".dvc" / "tmp" / "evoharness-retrain.lock"
+        self._f = None
+        self.previous: dict = {}
 
-    def check(self) -> None:
-        if self.lost:
-            raise EvoError(self.lost)
-
-    def _acquire(self, c) -> None:
-        import httpx
-
-        said = False
-        while True:
-            try:
-                r = c.increment_concurrency_slots_with_lease([self.name], 1, "concurrency", LEASE_S)
-                self.lease_id = r.json()["lease_id"]
-                return
-            except httpx.HTTPStatusError as e:
-                if e.response.status_code != 423:  # 423: every slot is held (another retrain of this repository)
-                    raise
-                if not said and self.log:
-                    self.log(f"waiting for the DVC slot of {self.root} ({self.name}): another retrain of this repository holds it")
-                    said = True
-                time.sleep(min(float(e.response.headers.get("Retry-After", 2) or 2), 5))
-
-    def _renew_loop(self) -> None:
-        import httpx
-        from prefect.client.orchestration import get_client
-
-        last_ok = time.monotonic()
-        with get_client(sync_client=True) as c:
-            while not self._stop.wait(RENEW_S):
-                try:
-                    c.renew_concurrency_lease(self.lease_id, LEASE_S)
-                    last_ok = time.monotonic()
-                except httpx.HTTPStatusError as e:
-                    if e.response.status_code in (404, 410):
-                        self.lost = (f"lost the DVC slot of {self.root} (lease {self.lease_id} was revoked or expired); stopped rather than "
-                                     "run DVC beside another holder; rerun the retrain")
-                        return
-                except Exception as e:  # the server away: the lease still holds until LEASE_S after the last renewal
-                    if time.monotonic() - last_ok > LEASE_S - RENEW_S:
-                        self.lost = (f"could not renew the DVC slot of {self.root} for {time.monotonic() - last_ok:.0f} s ({type(e).__name__}); "
-                                     "its lease expires; stopped rather than run DVC unprotected; rerun the retrain")
-                        return
+    def mark(self, **holder) -> None:
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(json.dumps(holder))
+        self._f.flush()
 
     def __enter__(self) -> "DvcSlot":
-        from prefect.client.orchestration import get_client
-
-        from evoharness.lineage import guarded
-
-        with get_client(sync_client=True) as c:
-            self._acquire(c)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if self.log:
+                self.log(f"waiting for the DVC slot of {self.root}: another retrain of this checkout holds it")
+            fcntl.flock(self._f, fcntl.LOCK_EX)
         if self.log:
-            self.log(f"holding the DVC slot of {self.root} (limit {self.name}, lease {self.lease_id})")
-        self._thread = threading.Thread(target=self._renew_loop, daemon=True, name=f"dvc-slot-{self.name}")
-        self._thread.start()
-        self._guard = guarded(self.check)
-        self._guard.__enter__()
+            self.log(f"holding the DVC slot of {self.root} ({self.path})")
+        self._f.seek(0)
+        try:
+            self.previous = json.loads(self._f.read() or "{}")
+        except ValueError:
+            self.previous = {}
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from prefect.client.orchestration import get_client
-
-        self._guard.__exit__(None, None, None)
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=RENEW_S + 5)
-        if not self.lost:
-            try:
-                with get_client(sync_client=True) as c:
-                    c.release_concurrency_slots_with_lease(self.lease_id)
-            except Exception:  # it expires LEASE_S after the last renewal anyway
-                pass
-        if self.lost and exc_type is None:
-            raise EvoError(self.lost)
+        self.mark()  # left in order (a holder killed never gets here)
+        self._f.seek(0)
+        self._f.truncate()
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
 
 
 def dvc_slot(root: Path, log=None) -> DvcSlot:
@@ -229,13 +174,14 @@ def _job_result(flow_run_id) -> dict:
     raise EvoError(f"job flow run {flow_run_id} finished without its {JOB_ARTIFACT!r} artifact (the stage's dvc.lock entry)")
 
 
-def _last_heartbeat(c, flow_run_id, since):
-    """When the job's flow run last sent Prefect's heartbeat event (None: not since ``since``)."""
-    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+def _last_heartbeat(c, flow_run_id):
+    """The id of the job's newest heartbeat event (None: none yet). Only its identity is used: when it
+    was sent is the job box's clock, which may be minutes off."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    page = c.read_events(EventFilter(occurred=EventOccurredFilter(since=since), event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+    page = c.read_events(EventFilter(event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
                                      resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"])), limit=1)
-    return page.events[0].occurred if page.events else None
+    return str(page.events[0].id) if page.events else None
 
 
 def _online_workers(c, pool: str) -> list[str]:
@@ -245,74 +191,141 @@ def _online_workers(c, pool: str) -> list[str]:
         return []
 
 
-def watch_job(flow_run_id, stage: str, pool: str, poll_s: float = 5.0, log=None):
-    """Wait for a dispatched job's flow run to end, and never longer than its heartbeats allow: a job
-    silent for ``job_lease_s()`` is marked crashed and the wait ends in one line; so does a job no
-    online worker picked up within ``job_pickup_s()``, and a Prefect server that stays unreachable."""
-    from datetime import datetime, timedelta, timezone
+def _box(fr) -> str:
+    """The machine a job runs on (the ``box:`` tag its driver puts on its flow run) and its process id."""
+    box = next((t.split(":", 1)[1] for t in fr.tags or [] if t.startswith("box:")), None)
+    pid = str(fr.infrastructure_pid or "").rsplit(":", 1)[-1]
+    return f"{box or 'a box not yet known'} (pid {pid or '?'})"
 
+
+def cancel_job(c, fr, why: str, log=None, wait_s: float = CANCEL_WAIT_S, poll_s: float = 2.0) -> str:
+    """Move the job to ``Cancelling`` so that its worker kills it, and wait for the worker to say so
+    (``Cancelled``). A job whose worker is gone too cannot be killed by anyone: it is marked crashed."""
+    from prefect.states import Cancelling, Crashed
+
+    c.set_flow_run_state(fr.id, Cancelling(message=why), force=True)
+    if log:
+        log(f"job {fr.name} ({fr.id}) on {_box(fr)}: {why}; moved to Cancelling so that its worker kills it")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        try:
+            st = c.read_flow_run(fr.id).state
+        except Exception:
+            continue
+        if st is not None and st.is_final():
+            return f"its worker killed it ({st.name})"
+    c.set_flow_run_state(fr.id, Crashed(message=why + "; no worker answered its cancellation"), force=True)
+    return f"no worker answered its cancellation within {wait_s:.0f} s (the box is gone), so it is marked crashed"
+
+
+def watch_job(flow_run_id, stage: str, pool: str, silence_s: float, time_limit_s: float, fence_s: float, poll_s: float = 5.0, log=None):
+    """Wait for a dispatched job's flow run to end, and never longer than its heartbeats and its time
+    limit allow (see the module's docstring): a silent or overdue job is cancelled through its worker and
+    the wait ends in one line naming the stage and the box; so does a job no online worker picked up
+    within ``job_pickup_s()``, and a server away for longer than a job may run without it."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelled, Crashed
 
-    lease, t0, failures = job_lease_s(), time.time(), 0
+    t0 = time.monotonic()
+    seen_beat, seen_at = None, t0  # the newest heartbeat and when (this clock) it was first seen
+    running_since = None  # when (this clock) the job was first seen running
+    allowed = silence_s + 120  # a job starting (its clone, its environment check) gets longer for its first heartbeat
+    away_since = None
     with get_client(sync_client=True) as c:
         while True:
             try:
                 fr = c.read_flow_run(flow_run_id)
-                failures = 0
+                beat = _last_heartbeat(c, flow_run_id)
             except Exception as e:
-                failures += 1
-                if failures * poll_s > max(lease, 60):
-                    raise EvoError(f"stage {stage!r}: the Prefect server did not answer for {failures * poll_s:.0f} s while job {flow_run_id} ran "
-                                   f"({type(e).__name__}); the job may still run: see its flow run when the server is back") from None
+                away_since = away_since or time.monotonic()
+                away = time.monotonic() - away_since
+                if away > fence_s + LOST_MARGIN_S:
+                    raise EvoError(f"stage {stage!r}: the Prefect server did not answer for {away:.0f} s while job {flow_run_id} ran "
+                                   f"({type(e).__name__}); the job stopped itself after fence_s {fence_s:.0f} s: rerun the retrain when the server is back") from None
                 time.sleep(poll_s)
                 continue
+            now = time.monotonic()
+            if away_since is not None:  # the server is back: judge the job from now on, with time to be heard from again
+                if log:
+                    log(f"{stage}: the Prefect server is back after {now - away_since:.0f} s; job {flow_run_id} has {fence_s + LOST_MARGIN_S:.0f} s to be heard from")
+                away_since, seen_at = None, now
+                allowed = max(allowed, fence_s + LOST_MARGIN_S)
+            if beat != seen_beat:
+                seen_beat, seen_at = beat, now
+                if beat is not None:
+                    allowed = silence_s
             st = fr.state
             if st is None or st.is_final():
                 return fr
-            now = datetime.now(timezone.utc)
-            who = fr.infrastructure_pid or "not yet known"
+            if st.is_running() and running_since is None:
+                running_since = now
             if st.is_running() or st.is_pending():
-                entered = st.timestamp
-                beat = _last_heartbeat(c, flow_run_id, entered - timedelta(seconds=1))
-                # A pending job is starting (its clone, its process): the first heartbeat may take a while longer.
-                allowed = lease if (beat is not None or st.is_running()) else lease + 120
-                silent = (now - (beat or entered)).total_seconds()
-                if silent > allowed:
-                    msg = f"no heartbeat for {silent:.0f} s from the {stage} job on worker {who} (pool {pool}): the worker died or lost its machine"
-                    c.set_flow_run_state(flow_run_id, Crashed(message=msg), force=True)
-                    raise EvoError(f"stage {stage!r}: {msg}; its flow run {fr.name} ({flow_run_id}) is marked crashed; rerun the retrain with a live worker")
-            elif (time.time() - t0) > job_pickup_s() and not _online_workers(c, pool):
+                why = None
+                if now - seen_at > allowed:
+                    why = f"no heartbeat for {now - seen_at:.0f} s (pool.silence_s {silence_s:.0f})"
+                elif running_since is not None and now - running_since > time_limit_s + 60:
+                    why = f"running for {now - running_since:.0f} s, past its time limit of {time_limit_s:.0f} s (pool.time_limit_s)"
+                if why:
+                    outcome = cancel_job(c, fr, why, log)
+                    raise EvoError(f"stage {stage!r}: its job on {_box(fr)} (pool {pool}) had {why}: {outcome}; flow run {fr.name} ({flow_run_id}); "
+                                   "rerun the retrain")
+            elif st.is_cancelling():
+                pass  # someone cancels it; its worker will end it
+            elif (now - t0) > job_pickup_s() and not _online_workers(c, pool):
+                from prefect.states import Cancelled
+
                 c.set_flow_run_state(flow_run_id, Cancelled(message="no live worker on the pool picked it up"), force=True)
-                raise EvoError(f"stage {stage!r}: no live worker on pool {pool!r} picked up its job for {time.time() - t0:.0f} s; start one "
-                               f"(`prefect worker start --pool {pool}`) and rerun the retrain")
+                raise EvoError(f"stage {stage!r}: no live worker on pool {pool!r} picked up its job for {now - t0:.0f} s; start one "
+                               f"(`prefect worker start --pool {pool} --limit 1`) and rerun the retrain")
             time.sleep(poll_s)
 
 
+def find_job(c, key: str):
+    """The jobs dispatched before for this key (commit, stage, inputs), newest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return c.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[JOB_TAG + key])), sort=FlowRunSort.EXPECTED_START_TIME_DESC)
+
+
 @task(name="dispatch-stage", task_run_name="{stage} on pool {pool}", cache_policy=NO_CACHE)
-def dispatch_stage(root: str, stage: str, deployment: str, pool: str, poll_s: float = 5.0) -> stagerun.StageResult:
-    """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash."""
+def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: dict, poll_s: float = 5.0) -> stagerun.StageResult:
+    """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash.
+    limits: silence_s, fence_s, time_limit_s (from params' ``pool``). A job already dispatched for the same
+    commit, stage and inputs (by a retrain whose orchestrator died) is adopted, never duplicated."""
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.runtime import flow_run
 
     log = get_run_logger()
     root_p = Path(root)
     t0 = time.time()
     spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
+    spec.update(time_limit_s=limits["time_limit_s"], fence_s=limits["fence_s"])
     ups = stagerun.push_inputs(root_p, stage)
     inputs = {o["path"]: o.get("md5") for u in ups for o in stagerun.lock_entry(root_p, u).get("outs", [])}
-    # One job per retrain and stage: a retry of this task finds the same job, a later retrain makes its own.
-    key = hashlib.sha256(json.dumps([deployment, spec["commit"], stage, inputs, str(flow_run.id)], sort_keys=True).encode()).hexdigest()[:24]
-    log.info(f"{stage}: dispatching to {deployment} (commit {spec['commit'][:12]} of {spec['repo']}, inputs {inputs})")
-    fr = run_deployment(deployment, parameters={"spec": spec}, idempotency_key=key, flow_run_name=f"{stage}@{spec['commit'][:8]}", timeout=0)
-    fr = watch_job(fr.id, stage, pool, poll_s, log.info)
+    key = hashlib.sha256(json.dumps([deployment, spec["commit"], stage, inputs], sort_keys=True).encode()).hexdigest()[:24]
+    with get_client(sync_client=True) as c:
+        before = find_job(c, key)
+    alive = [fr for fr in before if fr.state is not None and not fr.state.is_final() and not fr.state.is_cancelling()]
+    done = [fr for fr in before if fr.state is not None and fr.state.is_completed()]
+    if alive or done:
+        fr = (alive or done)[0]
+        log.info(f"{stage}: adopting job {fr.name} ({fr.id}, {fr.state.name}) dispatched before for commit {spec['commit'][:12]} and these inputs; "
+                 "no duplicate is dispatched")
+    else:
+        log.info(f"{stage}: dispatching to {deployment} (commit {spec['commit'][:12]} of {spec['repo']}, inputs {inputs}, "
+                 f"time limit {limits['time_limit_s']:.0f} s)")
+        fr = run_deployment(deployment, parameters={"spec": spec}, idempotency_key=f"{key}-{len(before)}", tags=[JOB_TAG + key],
+                            flow_run_name=f"{stage}@{spec['commit'][:8]}", timeout=0)
+    fr = watch_job(fr.id, stage, pool, limits["silence_s"], limits["time_limit_s"], limits["fence_s"], poll_s, log.info)
     if not fr.state.is_completed():
         why = (fr.state.message or "").strip().splitlines()
-        raise EvoError(f"stage {stage!r}: its job on worker {fr.infrastructure_pid or '?'} ended {fr.state.name} ({why[-1][:300] if why else 'no message'}); "
+        why = re.sub(r"^Flow run encountered an exception: (EvoError: )?", "", why[-1]) if why else "no message"
+        raise EvoError(f"stage {stage!r}: its job on {_box(fr)} ended {fr.state.name} ({why[:400]}); "
                        f"flow run {fr.name} ({fr.id}) has its logs")
     job = _job_result(fr.id)
     outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
-    log.info(f"{stage}: received {outs} from job {fr.id} on {fr.infrastructure_pid}")
+    log.info(f"{stage}: received {outs} from job {fr.id} on {_box(fr)}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}",
                                 machine=str(job.get("machine") or ""))
 
@@ -320,6 +333,20 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, poll_s: fl
 @task(name="dvc-push", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def push_all(root: str) -> None:
     stagerun.dvc(["push"], Path(root))
+
+
+@task(name="dvc-status-cloud", cache_policy=NO_CACHE)
+def check_on_remote(root: str) -> None:
+    """Every output the run's dvc.lock names is on the DVC remote (``dvc status --cloud``), or one line: the
+    git record, which others pull by, is made only then."""
+    out = stagerun.dvc(["status", "--cloud", "--json"], Path(root))
+    try:
+        missing = json.loads(out or "{}")
+    except ValueError:
+        raise EvoError(f"dvc status --cloud in {root} answered something other than JSON ({out[:200]!r}); the run is not recorded") from None
+    if missing:
+        raise EvoError(f"{len(missing)} output(s) of this run are not on the DVC remote after the push ({', '.join(sorted(missing)[:5])}); "
+                       "the run is not recorded: rerun the retrain once the remote accepts them")
 
 
 @task(name="dvc-status", cache_policy=NO_CACHE)

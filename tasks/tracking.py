@@ -119,6 +119,35 @@ def finish_parent(root: str, parent_id: str, params_path: str, status: str, summ
     c.set_terminated(parent_id, status)
 
 
+def close_orphan(root: str, holder: dict, log=print) -> None:
+    """A retrain that died holding this checkout's slot (its orchestrator killed) left its MLflow parent
+    run RUNNING and its Prefect flow run Running: both are marked so, in one line each."""
+    why = "its orchestrator died mid-retrain (the next retrain of this checkout found the checkout's slot left by it)"
+    run_id, fr_id = holder.get("parent_run_id"), holder.get("flow_run_id")
+    if run_id:
+        c = tracking.client(Path(root))
+        try:
+            run = c.get_run(run_id)
+        except Exception:
+            run = None
+        if run is not None and run.info.status == "RUNNING":
+            c.set_tag(run_id, "error", why)
+            c.set_terminated(run_id, "FAILED")
+            log(f"marked MLflow run {run_id} FAILED: {why}")
+    if fr_id:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        with get_client(sync_client=True) as pc:
+            try:
+                fr = pc.read_flow_run(fr_id)
+            except Exception:
+                fr = None
+            if fr is not None and fr.state is not None and not fr.state.is_final():
+                pc.set_flow_run_state(fr_id, Crashed(message=why), force=True)
+                log(f"marked flow run {fr.name} ({fr_id}) crashed: {why}")
+
+
 def fail_parent(root: str, parent_id: str, error: str) -> None:
     try:
         c = tracking.client(Path(root))

@@ -61,52 +61,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """A real Prefect server (its own home and SQLite database) for the whole session; every
-    process the tests start (flows, workers, the CLI) reaches it through PREFECT_API_URL."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+class PrefectServer:
+    """A real Prefect server (its own home and SQLite database) on one port, which a test may stop and start
+    again (a restart: same port, same database)."""
 
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_API_URL=url,
-               PREFECT_SERVER_LOGGING_LEVEL="WARNING", PREFECT_UI_ENABLED="false")
-    prefect = Path(sys.executable).parent / "prefect"
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 120
-    while True:
+    def __init__(self, home: Path, port: int):
+        self.home, self.port = home, port
+        self.url = f"http://127.0.0.1:{port}/api"
+        self.proc = None
+
+    def start(self, timeout: float = 120) -> None:
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_API_URL=self.url,
+                   PREFECT_SERVER_LOGGING_LEVEL="WARNING", PREFECT_UI_ENABLED="false")
+        prefect = Path(sys.executable).parent / "prefect"
+        log = open(self.home / "server.log", "a")
+        self.proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"Prefect test server did not start: {(self.home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import signal
+
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(15)
+        except ProcessLookupError:
             pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"Prefect test server did not start: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
+        except Exception:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(15)
+
+
+@pytest.fixture(scope="session")
+def prefect_service(tmp_path_factory):
+    """The session's Prefect server: every process the tests start (flows, workers, the CLI) reaches it
+    through PREFECT_API_URL."""
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), _free_port())
+    server.start()
     saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
-    os.environ.update(PREFECT_HOME=str(home), PREFECT_API_URL=url)
-    yield url
+    os.environ.update(PREFECT_HOME=str(server.home), PREFECT_API_URL=server.url)
+    yield server
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    import signal
+    server.stop()
 
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except Exception:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+
+@pytest.fixture(scope="session")
+def prefect_server(prefect_service) -> str:
+    return prefect_service.url
 
 
 @pytest.fixture(scope="session")

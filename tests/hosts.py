@@ -1,0 +1,63 @@
+"""Helpers of the two-host tests (test_two_hosts, test_pool_faults): the orchestrator's commands in its own
+HOME, a worker on the other host, the jobs' flow runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POOL = "h200"
+
+
+def orch_env(home: Path, **extra) -> dict:
+    env = dict(os.environ, HOME=str(home), TOKENIZERS_PARALLELISM="false", **extra)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own store
+    return env
+
+
+def cli(repo: Path, home: Path, *args, timeout: int = 900, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=orch_env(home, **env), capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(repo: Path, home: Path, log: Path, *args, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=orch_env(home, **env), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def start_worker(worker, name: str, log: Path, prefix: list[str] | None = None, **env) -> subprocess.Popen:
+    """A process worker of the pool on the worker host, one job at a time (``--limit 1``: a box runs one 8-GPU job)."""
+    return worker.popen([*(prefix or []), str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                         "--name", name, "--limit", "1"], log, env=worker.env(**env))
+
+
+def kill_user(user: str) -> None:
+    """The worker's machine is gone: every process of that user, the job and its training included."""
+    subprocess.run(["pkill", "-KILL", "-u", user], check=False)
+    deadline = time.time() + 30
+    while subprocess.run(["pgrep", "-u", user], capture_output=True).returncode == 0 and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def job_runs(stage: str) -> list:
+    """The stage's job flow runs, newest first."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        runs = [fr for fr in c.read_flow_runs(limit=200) if fr.name.startswith(f"{stage}@")]
+    return sorted(runs, key=lambda fr: fr.created, reverse=True)
+
+
+def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None):
+    deadline = time.time() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process ended first: {log.read_text()[-3000:] if log else ''}")
+        if time.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s: {log.read_text()[-3000:] if log else ''}")
+        time.sleep(0.5)
