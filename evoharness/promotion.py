@@ -392,9 +392,8 @@ def _not_found(e) -> bool:
     return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and str(e).rstrip(".").endswith("not found"))
 
 
-def read_champion(c, name: str):
-    """(version, its evidence) of the current champion, or (None, None) when there is none. Anything
-    else the registry answers (an error, a champion without its evaluation record) stops the gate."""
+def _champion_alias(c, name: str) -> tuple[str | None, object]:
+    """(the champion's version, its model version) or (None, None); any other answer of the registry stops."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -405,6 +404,15 @@ def read_champion(c, name: str):
         raise EvoError(f"promotion: cannot read {name}'s champion from MLflow ({type(e).__name__}: {str(e).splitlines()[0][:200]}); nothing moved") from None
     except Exception as e:  # the store unreachable, a broken connection: not "no champion"
         raise EvoError(f"promotion: cannot read {name}'s champion from MLflow ({type(e).__name__}: {str(e).splitlines()[0][:200]}); nothing moved") from None
+    return str(mv.version), mv
+
+
+def read_champion(c, name: str):
+    """(version, its evidence) of the current champion, or (None, None) when there is none. Anything
+    else the registry answers (an error, a champion without its evaluation record) stops the gate."""
+    _, mv = _champion_alias(c, name)
+    if mv is None:
+        return None, None
     tags = mv.tags or {}
     if not any(k.startswith("eval.") for k in tags) or "cond.hash" not in tags:
         raise EvoError(f"promotion: champion {name} version {mv.version} has no evaluation tags (eval.*, cond.*), so nothing can be "
@@ -468,12 +476,14 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
         return Decision(promoted=tags.get("decision") == "promoted", checks=[], reasons=[tags.get("decision.reasons", "")],
                         champion_version=tags.get("decision.champion_before"), version=str(mv.version), reused=True,
                         extra={"run_id": mv.run_id, "git_ref": tags.get("git_ref")})
-    if mv is not None:  # an interrupted gate: decide again on the champion it saw (its own version may be champion already)
+    if mv is not None:  # an interrupted gate: decide again, on the champion now (another retrain may have moved it)
         before = (mv.tags or {}).get("decision.champion_before", "none")
-        champ, champ_ev = (None, None)
-        if before != "none":
-            champ = c.get_model_version(name, before)
-            champ, champ_ev = champ, read_champion_version(c, name, champ)
+        champ, champ_ev = read_champion(c, name)
+        if champ is None or str(champ.version) == str(mv.version):  # none now, or this version already made champion
+            champ, champ_ev = (None, None)
+            if before != "none":
+                champ = c.get_model_version(name, before)
+                champ_ev = read_champion_version(c, name, champ)
         run_id = mv.run_id
     else:
         champ, champ_ev = read_champion(c, name)
@@ -517,6 +527,15 @@ def finalize(c, name: str, decision: Decision, git_ref: str | None = None) -> De
     A reused (already complete) decision is returned as it is."""
     if decision.reused:
         return decision
+    if decision.promoted:
+        # Compare and set: the champion must still be the one this decision was compared with. Another
+        # retrain (another checkout sharing the registry) may have moved it in the meantime; the decision
+        # then stays pending, and the rerun decides again against the new champion.
+        now, _ = _champion_alias(c, name)
+        if now not in (decision.champion_version, decision.version):
+            raise EvoError(f"promotion: {name}'s champion is version {now or 'none'} now, but version {decision.version} was compared with "
+                           f"version {decision.champion_version or 'none'} (another retrain promoted in the meantime); nothing moved, "
+                           "the decision stays pending: rerun the retrain to decide against the new champion")
     if git_ref:
         c.set_model_version_tag(name, decision.version, "git_ref", git_ref)
         decision.extra["git_ref"] = git_ref

@@ -300,3 +300,32 @@ def test_evidence_mixed_with_another_evaluations_episodes_is_refused(tmp_path):
     (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own + [other]))
     with pytest.raises(EvoError, match=r"holds 3 episodes \(2 distinct game and seed pairs\) where .*results.json played 2"):
         promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+
+
+def test_a_champion_moved_by_another_retrain_is_never_overwritten_by_a_decision_made_against_the_old_one(store, tmp_path):
+    """Two retrains (two checkouts sharing the registry) both compare with 'no champion'; the first to finish
+    promotes. The second's alias move is a compare-and-set: refused in one line, its decision left pending, and
+    its rerun decides again against the champion of now."""
+    c, name, candidate, champion = store
+    exp = tracking.experiment_id(c, tmp_path)
+    ds = []
+    for i, (seen, unseen) in ((1, (24, 15)), (2, (30, 16))):
+        run = c.create_run(exp, run_name=f"promote-{i}")
+        ds.append(promotion.register(c, name, run.info.run_id, _model(tmp_path, i), f"md5-{i}", ev("grpo-inline", seen, unseen),
+                                     refs(), T, CURVE, tmp_path / f"report{i}"))
+    assert [d.champion_version for d in ds] == [None, None] and all(d.promoted for d in ds)
+    promotion.finalize(c, name, ds[0], "retrain/run-1")
+    assert champion() == "1"
+    with pytest.raises(EvoError, match=r"agent-test's champion is version 1 now, but version 2 was compared with version none "
+                                       r"\(another retrain promoted in the meantime\); nothing moved, the decision stays pending"):
+        promotion.finalize(c, name, ds[1], "retrain/run-2")
+    assert champion() == "1" and c.get_model_version(name, "2").tags["decision.state"] == "pending"
+    assert str(c.get_model_version_by_alias(name, "challenger").version) == "1"
+    # The rerun (same model, same hash): decided again, against version 1, which it beats.
+    d = candidate(3, ev("grpo-inline", 30, 16), md5=2)
+    assert d.version == "2" and d.champion_version == "1" and d.promoted and champion() == "2"
+    assert c.get_model_version(name, "2").tags["decision.champion_before"] == "1"
+    # A later candidate is compared with the new champion.
+    run = c.create_run(exp, run_name="promote-4")
+    d4 = promotion.register(c, name, run.info.run_id, _model(tmp_path, 4), "md5-4", ev("grpo-inline", 28, 16), refs(), T, CURVE, tmp_path / "report4")
+    assert d4.champion_version == "2"
