@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,24 +211,42 @@ def guarded(check):
         _GUARDS.remove(check)
 
 
+# Kills a DVC command's process group once the process that started it is gone (killed outright, so no
+# handler of its ran): the stage's processes must not go on holding DVC's lock and writing outputs under a rerun.
+_REAPER = ("import os, signal, sys, time\n"
+           "parent, group = int(sys.argv[1]), int(sys.argv[2])\n"
+           "while os.getppid() == parent:\n"
+           "    time.sleep(0.5)\n"
+           "try:\n"
+           "    os.killpg(group, signal.SIGKILL)\n"
+           "except ProcessLookupError:\n"
+           "    pass\n")
+
+
 def _run_guarded(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
     import signal
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
-        while True:
-            try:
-                proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            try:
+        reaper = subprocess.Popen([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), str(proc.pid)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
                 for check in list(_GUARDS):
                     check()
-            except BaseException:
+        except BaseException:  # a guard, or this process interrupted (a signal turned into an exception): the command goes too
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
+            proc.wait()
+            raise
+        finally:
+            reaper.kill()
+            reaper.wait()
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())

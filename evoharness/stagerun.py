@@ -126,9 +126,8 @@ def run_here(root: Path, stage: str) -> StageResult:
     return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage), machine=machine() if ran else "")
 
 
-def upstream(root: Path, stage: str) -> list[str]:
-    """Stages whose outputs are this stage's deps (from the lock, else dvc.yaml)."""
-    lock = parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}
+def producers(root: Path, stage: str) -> list[str]:
+    """Stages whose outputs are this stage's deps, by dvc.yaml."""
     spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {})
     deps = [d if isinstance(d, str) else next(iter(d)) for d in spec.get(stage, {}).get("deps", [])]
     found = []
@@ -137,9 +136,17 @@ def upstream(root: Path, stage: str) -> list[str]:
             continue
         outs = [o if isinstance(o, str) else next(iter(o)) for o in st.get("outs", [])]
         if any(d == o or d.startswith(o.rstrip("/") + "/") for d in deps for o in outs):
-            if name not in lock:
-                raise EvoError(f"stage {stage!r} needs {name!r}, which has no dvc.lock entry yet; run it first")
             found.append(name)
+    return found
+
+
+def upstream(root: Path, stage: str) -> list[str]:
+    """Stages whose outputs are this stage's deps, each of which must have its dvc.lock entry already."""
+    lock = parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}
+    found = producers(root, stage)
+    for name in found:
+        if name not in lock:
+            raise EvoError(f"stage {stage!r} needs {name!r}, which has no dvc.lock entry yet; run it first")
     return found
 
 
@@ -201,19 +208,50 @@ def workspace(repo: str, stage: str, home: Path | None = None) -> Path:
     return Path(home or os.environ.get("EVOHARNESS_WORKER_HOME") or WORKER_HOME) / key / stage
 
 
-def checkout(spec: dict, home: Path | None = None, echo=print) -> Path:
+# git's askpass program for an HTTPS origin's token: it answers from the environment of the one git command
+# that needs it, so the token is never in a URL, a git config, a process's arguments or a log line.
+_ASKPASS = """#!/bin/sh
+case "$1" in
+  Username*) printf '%s\\n' "${EVOHARNESS_GIT_USER:-x-access-token}" ;;
+  *) printf '%s\\n' "$EVOHARNESS_GIT_TOKEN" ;;
+esac
+"""
+
+
+@contextlib.contextmanager
+def git_credentials(token: str | None):
+    """The environment for git commands that reach the origin: with ``token`` (``TOKEN`` or ``USER:TOKEN``, as
+    Prefect's git_clone step reads the same secret), git asks ``_ASKPASS`` for the password (the user: the
+    token's, else the URL's, else ``x-access-token``, as GitHub and GitLab accept); git never prompts."""
+    import tempfile
+
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")
+    if not token:
+        yield env
+        return
+    with tempfile.TemporaryDirectory(prefix="evoharness-askpass-") as d:
+        helper = Path(d) / "askpass"
+        helper.write_text(_ASKPASS)
+        helper.chmod(0o700)
+        user, _, secret = token.partition(":") if ":" in token else ("", "", token)
+        yield {**env, "GIT_ASKPASS": str(helper), "EVOHARNESS_GIT_TOKEN": secret, **({"EVOHARNESS_GIT_USER": user} if user else {})}
+
+
+def checkout(spec: dict, home: Path | None = None, echo=print, token: str | None = None) -> Path:
     """The worker's workspace for the stage, at the dispatched commit itself (fetched from the origin;
-    never the default branch's HEAD), cleaned of everything but checkpoints, models and DVC's cache."""
+    never the default branch's HEAD), cleaned of everything but checkpoints, models and DVC's cache.
+    ``token``: an HTTPS origin's access token (the job reads it from a Prefect Secret block)."""
     import socket
 
     stage, repo, commit = spec["stage"], spec["repo"], spec["commit"]
     ws = workspace(repo, stage, home)
-    if not (ws / ".git").exists():
-        ws.parent.mkdir(parents=True, exist_ok=True)
-        git(["clone", "-q", "--no-checkout", repo, str(ws)], ws.parent)
-    else:
-        git(["remote", "set-url", "origin", repo], ws)
-        git(["fetch", "-q", "origin"], ws)
+    with git_credentials(token) as env:
+        if not (ws / ".git").exists():
+            ws.parent.mkdir(parents=True, exist_ok=True)
+            git(["clone", "-q", "--no-checkout", repo, str(ws)], ws.parent, env=env)
+        else:
+            git(["remote", "set-url", "origin", repo], ws)
+            git(["fetch", "-q", "origin"], ws, env=env)
     git(["checkout", "-q", "--force", "--detach", commit], ws)
     git(["clean", "-q", "-fdx", "-e", "data/checkpoints", "-e", ".dvc/config.local", "-e", ".dvc/cache", "-e", ".dvc/tmp", "-e", "models"], ws)
     if git(["rev-parse", "HEAD"], ws) != commit:

@@ -55,6 +55,38 @@ def _restore_choices(kept: dict, echo) -> None:
                 echo(f"kept {name} paused, as it was on the server")
 
 
+def _with_git_token(root: Path, spec: dict, repo_url: str, echo) -> tuple[str, Path]:
+    """An HTTPS origin: when the Prefect Secret block ``evoharness-git-token`` exists, the stage jobs' git_clone
+    steps read their token from it (and the job's own checkout does too, ``flows.stage.git_token``): returns
+    the URL without its user (the step puts the token there) and a copy of prefect.yaml saying so."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from prefect.blocks.system import Secret
+
+    from flows.stage import GIT_TOKEN_BLOCK
+
+    try:
+        Secret.load(GIT_TOKEN_BLOCK)
+    except ValueError as e:
+        if "Unable to find block document" not in str(e):
+            raise
+        echo(f"the origin {repo_url} is HTTPS and there is no Prefect Secret block {GIT_TOKEN_BLOCK!r}: the stage jobs clone it "
+             "without a token (create the block with the token to clone a private repository)")
+        return repo_url, root / "prefect.yaml"
+    parts = urlsplit(repo_url)
+    bare = urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+    for d in spec.get("deployments") or []:
+        for step in d.get("pull") or []:
+            clone = step.get("prefect.deployments.steps.git_clone")
+            if isinstance(clone, dict):
+                clone["access_token"] = "{{ prefect.blocks.secret.%s }}" % GIT_TOKEN_BLOCK
+    out = root / ".dvc" / "tmp" / "prefect-deploy.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    echo(f"the stage jobs clone {bare} with the token in the Prefect Secret block {GIT_TOKEN_BLOCK!r}")
+    return bare, out
+
+
 def deploy(root: Path, echo=print) -> list[str]:
     root = Path(root).resolve()
     url = check_prefect(required=True)
@@ -89,10 +121,17 @@ def deploy(root: Path, echo=print) -> list[str]:
     if not origin or not is_network_url(origin):
         raise EvoError(f"deploy: the stage jobs clone the code from the git origin, and {root}'s is "
                        f"{redact(origin) if origin else 'not set'}; push to a git server the workers reach and set it (`git remote add origin <url>`)")
-    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=public_url(origin), PREFECT_API_URL=url)
+    repo_url, deploy_file = public_url(origin), spec_path
+    if repo_url.startswith("https://"):
+        repo_url, deploy_file = _with_git_token(root, spec, repo_url, echo)
+    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=repo_url, PREFECT_API_URL=url)
     prefect = Path(sys.executable).parent / "prefect"
-    r = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(spec_path)], cwd=root, env=env,
-                       capture_output=True, text=True)
+    try:
+        r = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(deploy_file)], cwd=root, env=env,
+                           capture_output=True, text=True)
+    finally:
+        if deploy_file != spec_path:
+            deploy_file.unlink(missing_ok=True)
     if r.returncode != 0:
         lines = [ln.strip(" │╭╮╰╯─") for ln in (r.stdout + r.stderr).splitlines() if ln.strip(" │╭╮╰╯─")]
         raise EvoError(f"prefect deploy failed in {root}: {lines[-1] if lines else 'no output'}")

@@ -130,20 +130,41 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
             slot.mark(parent_run_id=parent_f.result(), flow_run_id=str(flow_run.id) if flow_run.id else None)
             all_cached = st.pipeline_up_to_date(str(rootp))
             ran, cached = [], []
-            for stage in names:
+
+            def done(res: stagerun.StageResult) -> None:
+                (ran if res.ran else cached).append(res.stage)
+                log.info(f"{res.stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
+                st.publish(res, tr.read_metrics(rootp, res.stage), str(rootp))
+                tr.log_stage(str(rootp), parent_f.result(), res)
+
+            i = 0
+            while i < len(names):
+                stage = names[i]
+                if not all_cached and pool and stage in p.pool.stages and stage != GATE:
+                    # Consecutive pool stages that do not need each other's outputs go out together, to as many boxes.
+                    group = [stage]
+                    while i + len(group) < len(names) and names[i + len(group)] in p.pool.stages \
+                            and not set(stagerun.producers(rootp, names[i + len(group)])) & set(group):
+                        group.append(names[i + len(group)])
+                    if len(group) > 1:
+                        log.info(f"dispatching {', '.join(group)} side by side: none needs another's outputs")
+                    futures = [st.dispatch_stage.submit(str(rootp), s, deployment or f"train-stage/train-stage-{pool}", pool,
+                                                        {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s,
+                                                         "time_limit_s": p.pool.time_limit(profile, s)}, poll_s) for s in group]
+                    for f in futures:  # every job ends (each is received or fails) before the first failure is raised
+                        f.wait()
+                    for f in futures:
+                        done(f.result())
+                    i += len(group)
+                    continue
                 if all_cached:
                     res = stagerun.StageResult(stage, False, 0.0, stagerun.lock_entry(rootp, stage))
                 elif stage == GATE:
                     res = st.validate_stage(str(rootp), stage)
-                elif pool and stage in p.pool.stages:
-                    limits = {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s, "time_limit_s": p.pool.time_limit(profile, stage)}
-                    res = st.dispatch_stage(str(rootp), stage, deployment or f"train-stage/train-stage-{pool}", pool, limits, poll_s)
                 else:
                     res = st.run_stage(str(rootp), stage)
-                (ran if res.ran else cached).append(stage)
-                log.info(f"{stage}: {'ran' if res.ran else 'cached'} ({res.seconds:.1f} s, {res.where})")
-                st.publish(res, tr.read_metrics(rootp, stage), str(rootp))
-                tr.log_stage(str(rootp), parent_f.result(), res)
+                done(res)
+                i += 1
             st.push_all(str(rootp))  # also what an earlier run's interrupted push left out
             st.check_on_remote(str(rootp))  # the record names only what the remote holds
             parent = parent_f.result()

@@ -60,6 +60,25 @@ class Fence:
         self._stop.set()
 
 
+GIT_TOKEN_BLOCK = "evoharness-git-token"
+
+
+def git_token(repo: str) -> str | None:
+    """An HTTPS origin's token: the Prefect Secret block ``evoharness-git-token`` (``TOKEN`` or ``USER:TOKEN``;
+    the deployment's git_clone step reads the same block), or None for another kind of origin or no such block.
+    A server that cannot be asked stops the job (raised), never read as "no token"."""
+    if not repo.startswith("https://"):
+        return None
+    from prefect.blocks.system import Secret
+
+    try:
+        return str(Secret.load(GIT_TOKEN_BLOCK).get())
+    except ValueError as e:
+        if "Unable to find block document" in str(e):
+            return None
+        raise
+
+
 def box_name() -> str:
     """How the orchestrator names this box in its messages: ``EVOHARNESS_MACHINE`` (an instance or rack name), else the host name."""
     import os
@@ -88,7 +107,7 @@ def train_stage(spec: dict, home: str | None = None) -> dict:
     home_p = Path(home) if home else None
     ws = stagerun.workspace(spec["repo"], spec["stage"], home_p)
     with stagerun.workspace_lock(ws, print):
-        ws = stagerun.checkout(spec, home_p, print)
+        ws = stagerun.checkout(spec, home_p, print, token=git_token(spec["repo"]))
         mismatch = environment_mismatch(spec["commit"], ws)
         if mismatch:
             raise EvoError(f"stage {spec['stage']!r} on {box_name()}: {mismatch}; this box does not run the commit's environment: "
@@ -96,6 +115,9 @@ def train_stage(spec: dict, home: str | None = None) -> dict:
         fence = Fence(float(spec.get("fence_s") or DEFAULT_FENCE_S))
         try:
             # The job's output reaches the flow run's logs through its logger (a thread's print() would not).
+            from prefect.runtime import flow_run
+
+            spec = {**spec, "flow_run_id": str(flow_run.id) if flow_run.id else None}
             res = stagerun.run_in_checkout(spec, ws, float(spec.get("time_limit_s") or DEFAULT_TIME_LIMIT_S), fence, get_run_logger().info)
         finally:
             fence.close()

@@ -27,7 +27,9 @@ import fcntl
 import hashlib
 import json
 import re
+import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import yaml
@@ -177,11 +179,18 @@ def _job_result(flow_run_id) -> dict:
 def _last_heartbeat(c, flow_run_id):
     """The id of the job's newest heartbeat event (None: none yet). Only its identity is used: when it
     was sent is the job box's clock, which may be minutes off."""
-    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from datetime import datetime, timedelta, timezone
 
-    page = c.read_events(EventFilter(event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    now = datetime.now(timezone.utc)  # a window wide enough for any box's clock (the default ends at this machine's now)
+    page = c.read_events(EventFilter(occurred=EventOccurredFilter(since=now - timedelta(days=2), until=now + timedelta(days=2)),
+                                     event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
                                      resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"])), limit=1)
     return str(page.events[0].id) if page.events else None
+
+
+CLOCK_SKEW_ALLOWED_S = 24 * 3600  # how far behind a box's clock may be and still take a job at once
 
 
 def _online_workers(c, pool: str) -> list[str]:
@@ -214,7 +223,7 @@ def cancel_job(c, fr, why: str, log=None, wait_s: float = CANCEL_WAIT_S, poll_s:
         except Exception:
             continue
         if st is not None and st.is_final():
-            return f"its worker killed it ({st.name})"
+            return f"it was stopped ({st.name})"
     c.set_flow_run_state(fr.id, Crashed(message=why + "; no worker answered its cancellation"), force=True)
     return f"no worker answered its cancellation within {wait_s:.0f} s (the box is gone), so it is marked crashed"
 
@@ -288,6 +297,11 @@ def find_job(c, key: str):
     return c.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[JOB_TAG + key])), sort=FlowRunSort.EXPECTED_START_TIME_DESC)
 
 
+# Independent stages are dispatched side by side (threads of one retrain): their DVC commands and dvc.lock
+# edits in the shared checkout take turns (DVC's own repository lock would refuse a second command).
+_CHECKOUT = threading.Lock()
+
+
 @task(name="dispatch-stage", task_run_name="{stage} on pool {pool}", cache_policy=NO_CACHE)
 def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: dict, poll_s: float = 5.0) -> stagerun.StageResult:
     """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash.
@@ -299,10 +313,11 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
     log = get_run_logger()
     root_p = Path(root)
     t0 = time.time()
-    spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
-    spec.update(time_limit_s=limits["time_limit_s"], fence_s=limits["fence_s"])
-    ups = stagerun.push_inputs(root_p, stage)
-    inputs = {o["path"]: o.get("md5") for u in ups for o in stagerun.lock_entry(root_p, u).get("outs", [])}
+    with _CHECKOUT:
+        spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
+        spec.update(time_limit_s=limits["time_limit_s"], fence_s=limits["fence_s"])
+        ups = stagerun.push_inputs(root_p, stage)
+        inputs = {o["path"]: o.get("md5") for u in ups for o in stagerun.lock_entry(root_p, u).get("outs", [])}
     key = hashlib.sha256(json.dumps([deployment, spec["commit"], stage, inputs], sort_keys=True).encode()).hexdigest()[:24]
     with get_client(sync_client=True) as c:
         before = find_job(c, key)
@@ -315,8 +330,11 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
     else:
         log.info(f"{stage}: dispatching to {deployment} (commit {spec['commit'][:12]} of {spec['repo']}, inputs {inputs}, "
                  f"time limit {limits['time_limit_s']:.0f} s)")
+        # Scheduled in the past: a worker takes runs scheduled before *its own* clock's now, so a job scheduled
+        # at this machine's now would wait on a box whose clock is behind for as long as that clock is off.
         fr = run_deployment(deployment, parameters={"spec": spec}, idempotency_key=f"{key}-{len(before)}", tags=[JOB_TAG + key],
-                            flow_run_name=f"{stage}@{spec['commit'][:8]}", timeout=0)
+                            flow_run_name=f"{stage}@{spec['commit'][:8]}", timeout=0,
+                            scheduled_time=datetime.now(timezone.utc) - timedelta(seconds=CLOCK_SKEW_ALLOWED_S))
     fr = watch_job(fr.id, stage, pool, limits["silence_s"], limits["time_limit_s"], limits["fence_s"], poll_s, log.info)
     if not fr.state.is_completed():
         why = (fr.state.message or "").strip().splitlines()
@@ -324,7 +342,8 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
         raise EvoError(f"stage {stage!r}: its job on {_box(fr)} ended {fr.state.name} ({why[:400]}); "
                        f"flow run {fr.name} ({fr.id}) has its logs")
     job = _job_result(fr.id)
-    outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
+    with _CHECKOUT:
+        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
     log.info(f"{stage}: received {outs} from job {fr.id} on {_box(fr)}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}",
                                 machine=str(job.get("machine") or ""))

@@ -90,7 +90,8 @@ def test_a_worker_killed_mid_job_is_detected_and_the_retrain_fails_in_one_line(h
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(running[0].id)
         assert fr.state.is_crashed() and "no heartbeat" in fr.state.message
-        assert not [x for x in c.read_flow_runs(limit=200) if "@" in x.name and x.state and x.state.is_running()]  # no job left running
+        ours = ("base_model@", "sft_inline@", "sft_env_only@", "grpo@", "evaluate@")
+        assert not [x for x in c.read_flow_runs(limit=200) if x.name.startswith(ours) and x.state and x.state.is_running()]  # no job left running
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert "base_model" in lock and "sft_inline" not in lock  # the base was made on the worker before it died
     hosts["crashed_job"] = str(running[0].id)
@@ -101,6 +102,8 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
 
     repo, w = hosts["repo"], hosts["worker"]
     worker = start_worker(w, "gpu-box-2", tmp_path / "worker2.log", EVOHARNESS_MACHINE="gpu-box-2")
+    # A second box (its own workspace folder and DVC cache): the two SFT stages need nothing of each other.
+    worker3 = start_worker(w, "gpu-box-3", tmp_path / "worker3.log", EVOHARNESS_MACHINE="gpu-box-3", EVOHARNESS_WORKER_HOME=str(w.home / "box3"))
     log2, log3 = tmp_path / "retrain2.log", tmp_path / "retrain3.log"
     t0 = time.time()
     r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL)
@@ -118,6 +121,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
                 os.killpg(p.pid, signal.SIGKILL)
         kill_user(w.user)
         worker.wait(30)
+        worker3.wait(30)
     out2, out3 = log2.read_text(), log3.read_text()
     assert r2.returncode == 0, out2[-4000:]
     line = next(ln for ln in out2.splitlines() if ln.startswith("stages run:"))
@@ -131,6 +135,12 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
             assert runs and str(runs[0].id) != hosts.get("crashed_job"), stage
             assert str(hosts["orch"]) not in json.dumps(runs[0].parameters, default=str)  # nothing of the orchestrator's disk
             assert runs[0].parameters["spec"]["repo"].startswith("git://127.0.0.1")
+        # The two SFT stages ran at the same time, one on each box (each worker takes one job at a time).
+        a, b = (next(fr for fr in job_runs(s) if fr.state and fr.state.is_completed()) for s in ("sft_inline", "sft_env_only"))
+        assert a.start_time < b.end_time and b.start_time < a.end_time, (a.start_time, a.end_time, b.start_time, b.end_time)
+        boxes = {t for fr in (a, b) for t in fr.tags if t.startswith("box:")}
+        assert boxes == {"box:gpu-box-2", "box:gpu-box-3"}, boxes
+        assert "dispatching sft_inline, sft_env_only side by side" in out2
     assert json.loads(dvc(["status", "--json"], repo) or "{}") == {}  # DVC agrees: every stage is up to date here
     assert (w.home / ".cache" / "evoharness" / "worker").is_dir()  # the jobs' checkouts live in the worker's own home
     # The second retrain waited for the first, then found nothing to do.
@@ -152,7 +162,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     parent = c.get_run(rec.group(2))
     kids = {k.data.tags["stage"]: k for k in c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
     assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ")
-    assert kids["grpo"].data.tags["machine"] == f"gpu-box-2: {stagerun.machine()}" and parent.data.tags["machine"] == stagerun.machine()
+    assert kids["grpo"].data.tags["machine"] in {f"gpu-box-{n}: {stagerun.machine()}" for n in (2, 3)} and parent.data.tags["machine"] == stagerun.machine()
     # The gate compared the candidate with its SFT parent split by split (no_regression), on the evaluations it read.
     mv = c.get_model_version_by_alias("evoharness-hosts-tiny-cpu", "champion")
     assert {"check.seen_vs_sft-inline", "check.unseen_vs_sft-inline"} <= set(mv.tags), mv.tags
