@@ -110,6 +110,18 @@ def clear_stale_locks(root: Path) -> list[int]:
     return unlock(root)
 
 
+def stage_up_to_date(root: Path, stage: str) -> bool:
+    """DVC finds the stage's deps, params and outputs here as its dvc.lock entry names them."""
+    if stage not in (parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}):
+        return False
+    out = dvc(["status", stage, "--json"], root)
+    try:
+        changed = json.loads(out or "{}")
+    except ValueError:
+        return False
+    return not {k for k in changed if k == stage or k.endswith(f":{stage}")}
+
+
 def up_to_date(root: Path) -> bool:
     out = dvc(["status", "dvc.yaml", "--json"], root)  # the main pipeline (ablation/dvc.yaml runs apart)
     try:

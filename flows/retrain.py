@@ -148,13 +148,25 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                         group.append(names[i + len(group)])
                     if len(group) > 1:
                         log.info(f"dispatching {', '.join(group)} side by side: none needs another's outputs")
+                    key = f"{flow_run.id or id(group)}:{','.join(group)}"
                     futures = [st.dispatch_stage.submit(str(rootp), s, deployment or f"train-stage/train-stage-{pool}", pool,
                                                         {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s,
-                                                         "time_limit_s": p.pool.time_limit(profile, s)}, poll_s) for s in group]
-                    for f in futures:  # every job ends (each is received or fails) before the first failure is raised
-                        f.wait()
+                                                         "time_limit_s": p.pool.time_limit(profile, s)}, poll_s, key) for s in group]
+                    # The first failure stops the group: jobs not started are cancelled, running ones are left to a rerun.
+                    pending, failed = list(futures), None
+                    while pending:
+                        for f in list(pending):
+                            f.wait(timeout=0.5)
+                            if f.state.is_final():
+                                pending.remove(f)
+                                if not f.state.is_completed() and failed is None:
+                                    failed = f
+                                    st.group_abort(key).set()
                     for f in futures:
-                        done(f.result())
+                        if f.state.is_completed():
+                            done(f.result())
+                    if failed is not None:
+                        failed.result()  # raises its error
                     i += len(group)
                     continue
                 if all_cached:

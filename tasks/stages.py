@@ -228,7 +228,16 @@ def cancel_job(c, fr, why: str, log=None, wait_s: float = CANCEL_WAIT_S, poll_s:
     return f"no worker answered its cancellation within {wait_s:.0f} s (the box is gone), so it is marked crashed"
 
 
-def watch_job(flow_run_id, stage: str, pool: str, silence_s: float, time_limit_s: float, fence_s: float, poll_s: float = 5.0, log=None):
+_ABORTS: dict[str, threading.Event] = {}
+
+
+def group_abort(key: str) -> threading.Event:
+    """The event that tells the watches of stages dispatched side by side that one of them failed."""
+    return _ABORTS.setdefault(key, threading.Event())
+
+
+def watch_job(flow_run_id, stage: str, pool: str, silence_s: float, time_limit_s: float, fence_s: float, poll_s: float = 5.0, log=None,
+              abort: threading.Event | None = None):
     """Wait for a dispatched job's flow run to end, and never longer than its heartbeats and its time
     limit allow (see the module's docstring): a silent or overdue job is cancelled through its worker and
     the wait ends in one line naming the stage and the box; so does a job no online worker picked up
@@ -266,6 +275,13 @@ def watch_job(flow_run_id, stage: str, pool: str, silence_s: float, time_limit_s
             st = fr.state
             if st is None or st.is_final():
                 return fr
+            if abort is not None and abort.is_set():  # a stage dispatched beside this one failed: the retrain stops now
+                if st.is_running():
+                    raise EvoError(f"stage {stage!r}: its job on {_box(fr)} is left running (a stage beside it failed); a rerun adopts it")
+                from prefect.states import Cancelled
+
+                c.set_flow_run_state(flow_run_id, Cancelled(message="a stage dispatched beside it failed"), force=True)
+                raise EvoError(f"stage {stage!r}: its job was cancelled before it started (a stage beside it failed)")
             if st.is_running() and running_since is None:
                 running_since = now
             if st.is_running() or st.is_pending():
@@ -303,7 +319,7 @@ _CHECKOUT = threading.Lock()
 
 
 @task(name="dispatch-stage", task_run_name="{stage} on pool {pool}", cache_policy=NO_CACHE)
-def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: dict, poll_s: float = 5.0) -> stagerun.StageResult:
+def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: dict, poll_s: float = 5.0, group: str | None = None) -> stagerun.StageResult:
     """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash.
     limits: silence_s, fence_s, time_limit_s (from params' ``pool``). A job already dispatched for the same
     commit, stage and inputs (by a retrain whose orchestrator died) is adopted, never duplicated."""
@@ -314,6 +330,9 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
     root_p = Path(root)
     t0 = time.time()
     with _CHECKOUT:
+        if stagerun.stage_up_to_date(root_p, stage):  # made before (a rerun after a failure): no job is needed
+            log.info(f"{stage}: up to date here (dvc status): nothing to dispatch")
+            return stagerun.StageResult(stage, False, round(time.time() - t0, 2), stagerun.lock_entry(root_p, stage), where="up to date here")
         spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
         spec.update(time_limit_s=limits["time_limit_s"], fence_s=limits["fence_s"])
         ups = stagerun.push_inputs(root_p, stage)
@@ -335,7 +354,8 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
         fr = run_deployment(deployment, parameters={"spec": spec}, idempotency_key=f"{key}-{len(before)}", tags=[JOB_TAG + key],
                             flow_run_name=f"{stage}@{spec['commit'][:8]}", timeout=0,
                             scheduled_time=datetime.now(timezone.utc) - timedelta(seconds=CLOCK_SKEW_ALLOWED_S))
-    fr = watch_job(fr.id, stage, pool, limits["silence_s"], limits["time_limit_s"], limits["fence_s"], poll_s, log.info)
+    fr = watch_job(fr.id, stage, pool, limits["silence_s"], limits["time_limit_s"], limits["fence_s"], poll_s, log.info,
+                   group_abort(group) if group else None)
     if not fr.state.is_completed():
         why = (fr.state.message or "").strip().splitlines()
         why = re.sub(r"^Flow run encountered an exception: (EvoError: )?", "", why[-1]) if why else "no message"
