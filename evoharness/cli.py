@@ -151,6 +151,8 @@ def collect(
 
     p = load_params(params)
     nd = p.demos.n if n is None else n
+    if nd < 1:
+        raise EvoError(f"collect: the number of demos must be at least 1 (got {nd} from {'--n' if n is not None else params + ': demos.n'}); nothing was written")
     spec = PolicySpec(kind="teacher", noise=p.demos.noise if noise is None else noise)
     bar = _bar(nd, "demos")
     s = run_collect(list_games(games_root, "train"), spec, _episode_cfg(p, mode), nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
@@ -528,6 +530,8 @@ def promotions(
 
     from evoharness import promotion, tracking
 
+    if limit < 1:
+        raise EvoError(f"promotions: --limit must be at least 1 (got {limit})")
     raw = (yaml.safe_load(Path(params).read_text()) or {}).get("promotion", {}) if Path(params).exists() else {}
     prefix = model or raw.get("model_name", "evoharness-agent")
     rows = promotion.promotions(tracking.client(Path.cwd()), prefix)

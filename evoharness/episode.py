@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from evoharness.alfworld.engine import EnvStep
 from evoharness.alfworld.games import TRAJ_FILE, Game
@@ -36,8 +36,8 @@ VERB_HELP = {
 
 class EpisodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_steps: int = 50
-    max_turns: int = 0  # 0: twice max_steps (uncharged meta-actions still end somewhere)
+    max_steps: int = Field(50, ge=1)
+    max_turns: int = Field(0, ge=0)  # 0: twice max_steps (uncharged meta-actions still end somewhere)
     harness: HarnessConfig = HarnessConfig()
     reward: RewardConfig = RewardConfig()
     update: int = 0  # u, the policy update the reward's diversity weight is taken at

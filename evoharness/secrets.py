@@ -12,7 +12,12 @@ import re
 
 # The userinfo of a URL: everything up to the last '@' before the host's path (a password may hold a raw '@').
 _USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^/\s]+)@(?=[^@/\s]*(?:[/\s?#]|$))", re.I)
-_QUERY = re.compile(r"([?&](?:token|key|secret|password|passwd|sig|signature|access_token|api_key)=)[^&\s]*", re.I)
+_QUERY = re.compile(r"([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|token|key|apikey|api[_-]?key|secret|client_secret|"
+                    r"password|passwd|pwd|auth|sig|signature|access_token|access_key|aws_secret_access_key|session_token)=)[^&\s]*", re.I)
+# A credential in free text: an Authorization header's value, or NAME=VALUE / NAME: VALUE of a secret-named setting.
+_HEADER = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}")
+_ASSIGN = re.compile(r"\b((?:aws_secret_access_key|aws_session_token|secret_access_key|client_secret|api[_-]?key|apikey|access_key|"
+                     r"password|passwd|pwd|secret|token)\s*[=:]\s*)(?!\*\*\*)[^\s,;&'\"]+", re.I)
 _TOKEN_USER = re.compile(r"^(?:gh[opsur]_|github_pat_|glpat-|x-access-token|[A-Za-z0-9_\-]{32,}$)")
 
 
@@ -28,7 +33,8 @@ def _userinfo(m: re.Match, secret: str | None) -> str:
 def redact(text: str) -> str:
     """``scheme://user:password@host`` -> ``scheme://user:***@host`` (a token as the user: ``***@host``),
     and secret-looking query values -> ``***``."""
-    return _QUERY.sub(r"\1***", _USERINFO.sub(lambda m: _userinfo(m, "***"), str(text)))
+    text = _QUERY.sub(r"\1***", _USERINFO.sub(lambda m: _userinfo(m, "***"), str(text)))
+    return _ASSIGN.sub(r"\1***", _HEADER.sub(r"\1 ***", text))
 
 
 def public_url(url: str) -> str:

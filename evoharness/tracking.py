@@ -26,7 +26,7 @@ EXPERIMENT = "evoharness-retrain"
 DB_NAME = "mlflow.db"
 ARTIFACTS = "mlartifacts"
 # Keys that are never logged, whatever a params file or a metrics JSON holds.
-SECRET_WORDS = ("key", "token", "secret", "password", "credential")
+SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "pwd", "auth", "credential", "signature")
 
 
 def tracking_uri(root: Path | None = None) -> str:

@@ -190,3 +190,35 @@ def test_evaluation_resumes_and_survives_a_truncated_line(games_root, tmp_path):
     lines = (tmp_path / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 7 and lines.count('{"fingerprint": "cut sho') == 1  # kept byte for byte, after the records
     assert [json.loads(x)["game_id"] for x in lines[:6]] == sorted(g.id for g in games)  # canonical order
+
+
+def test_out_of_range_numbers_are_one_line_and_touch_nothing(games_copy, tmp_path):
+    """A count below 1 or a negative step budget: one `error:` line naming the value and where it came from,
+    exit 2, and the demos already there left byte for byte."""
+    import hashlib
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    demos = tmp_path / "demos"
+    demos.mkdir()
+    (demos / "demos.jsonl").write_text('{"kept": true}\n')
+    before = hashlib.sha256((demos / "demos.jsonl").read_bytes()).hexdigest()
+    bad = yaml.safe_load((root / "params.yaml").read_text())
+    bad["episode"]["max_steps"] = -5
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    cases = [
+        (["collect", "--games", str(games_copy), "--out", str(demos), "--n", "-3", "--params", str(root / "params.yaml")],
+         r"error: collect: the number of demos must be at least 1 \(got -3 from --n\); nothing was written"),
+        (["collect", "--games", str(games_copy), "--out", str(demos), "--params", str(tmp_path / "bad.yaml")],
+         r"error: .*bad\.yaml: episode\.max_steps: Input should be greater than or equal to 1 \(got -5\)"),
+        (["promotions", "--limit", "-1"], r"error: promotions: --limit must be at least 1 \(got -1\)"),
+    ]
+    import re
+
+    for args, want in cases:
+        r = subprocess.run(CLI + args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and re.fullmatch(want, lines[0]), (args, r.stdout, r.stderr)
+        assert hashlib.sha256((demos / "demos.jsonl").read_bytes()).hexdigest() == before and sorted(p.name for p in demos.iterdir()) == ["demos.jsonl"]

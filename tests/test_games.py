@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 from evoharness.alfworld.families import DEFAULT_UNSEEN_SCENES, FAMILIES
 from evoharness.alfworld.games import list_games
@@ -135,3 +136,71 @@ def test_grpo_games_section_and_bad_input(tmp_path):
     r = subprocess.run(cli + ["--section", "gmaes", "--out", str(tmp_path / "g")], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == "error: --section: unknown section 'gmaes' (known: games, grpo_games)", r.stderr
     assert not (tmp_path / "g").exists()
+
+
+PAYLOAD = "{__import__('os').system('touch {marker}')}"
+
+
+def test_a_game_file_that_could_run_code_is_refused_by_content_and_nothing_runs(games_copy, tmp_path):
+    """TextWorld evaluates ``{...}`` in a grammar as Python: a payload planted in any field of a game file
+    (the grammar's goal or any rule, the domain, the problem) is refused in one line naming the file, by
+    ``list_games`` (evaluate, GRPO's rollouts, a pool job) and by ``play``; the payload never runs."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from evoharness.errors import EvoError
+
+    game = sorted(games_copy.glob("valid_seen/*/*/game.tw-pddl"))[0]
+    clean = json.loads(game.read_text())
+    assert list_games(games_copy, "valid_seen")  # the generated games are accepted as they are
+    marker = tmp_path / "ran"
+    payload = PAYLOAD.replace("{marker}", str(marker))
+    from evoharness.alfworld.games import _trusted
+
+    _, prefix, suffix = _trusted()
+    goal = clean["grammar"][len(prefix):len(clean["grammar"]) - len(suffix)]
+    plants = {
+        "the grammar's goal": dict(clean, grammar=prefix + goal + " " + payload + suffix),
+        "a grammar rule": dict(clean, grammar=prefix + goal + suffix.replace("\n", payload + "\n", 3)),
+        "the domain": dict(clean, pddl_domain=clean["pddl_domain"] + f"\n; {payload}"),
+        "the problem": dict(clean, pddl_problem=clean["pddl_problem"].replace(")", f") ; {payload}\n", 1)),
+    }
+    for where, data in plants.items():
+        game.write_text(json.dumps(data))
+        with pytest.raises(EvoError, match=rf"game file {re.escape(str(game))} refused: .*games are data, never code"):
+            list_games(games_copy, "valid_seen")
+        r = subprocess.run([sys.executable, "-m", "evoharness.cli", "play", str(game.parent)], capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.returncode == 2 and lines[-1].startswith(f"error: game file {game} refused"), (where, r.stderr[-2000:])
+        assert not marker.exists(), where
+    game.write_text(json.dumps(clean))
+    assert len(list_games(games_copy, "valid_seen")) == 6
+
+
+def test_games_write_only_the_splits_they_regenerate_and_never_into_an_official_folder(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["games"]["families"] = ["pick_and_place_simple"]
+    params["grpo_games"] = {"seed": 3, "per_family": {"train": 1}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
+    out = tmp_path / "g"
+    kept = out / "valid_seen" / "someone-elses" / "trial_1" / "traj_data.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    cli = [sys.executable, "-m", "evoharness.cli", "games", "--params", str(tmp_path / "p.yaml")]
+    r = subprocess.run(cli + ["--section", "grpo_games", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert kept.read_text() == "{}" and len(list((out / "train").glob("*/*/game.tw-pddl"))) == 1  # valid_seen was not regenerated: kept
+    official = tmp_path / "alfworld" / "json_2.1.1"
+    (official / "train" / "x").mkdir(parents=True)
+    r = subprocess.run(cli + ["--section", "grpo_games", "--out", str(official)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    errors = [ln[ln.index("error: "):] for ln in r.stderr.splitlines() if "error: " in ln]  # (after the progress bar's line)
+    assert r.returncode == 2 and errors == [f"error: games --out {official}: is an official ALFWorld json_2.1.1 folder; generated games go elsewhere (its splits are never replaced)"], r.stderr
+    assert (official / "train" / "x").is_dir()

@@ -74,3 +74,21 @@ def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store
     assert got.params["remote.url"] == "webdav://evo:***@dav.example.com/store" and got.tags["origin"] == "https://evo:***@git.example.com/x.git"
     pol = ChatPolicy(f"https://evo:{SECRET}@llm.example.com/v1", "m", "NO_SUCH_KEY_VAR")
     assert SECRET not in pol.fingerprint() and "https://evo:***@llm.example.com/v1" in pol.fingerprint()
+
+
+def test_signed_urls_authorization_headers_and_secret_settings_are_redacted():
+    from evoharness.secrets import redact
+    from evoharness.tracking import _secret
+
+    cases = {
+        "https://b.s3.amazonaws.com/k?X-Amz-Signature=abc123&X-Amz-Credential=AKIAX%2F2026&X-Amz-Security-Token=tok&part=1":
+            "https://b.s3.amazonaws.com/k?X-Amz-Signature=***&X-Amz-Credential=***&X-Amz-Security-Token=***&part=1",
+        "https://api.example.com/v1?apikey=zzz&client_secret=yyy&access_key=xxx": "https://api.example.com/v1?apikey=***&client_secret=***&access_key=***",
+        'Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload.sig': "Authorization: Bearer ***",
+        "aws_secret_access_key=wJalrXUtnFEMI/K7MDENG client_secret: s3cr3tvalue pwd=hunter2": "aws_secret_access_key=*** client_secret: *** pwd=***",
+        "max_tokens: 512, tokens: 5, key_count=3": "max_tokens: 512, tokens: 5, key_count=3",  # not secrets: left alone
+    }
+    for raw, want in cases.items():
+        assert redact(raw) == want, raw
+    assert all(_secret(k) for k in ("db_passwd", "pwd", "auth_header", "url_signature", "api_key"))
+    assert not _secret("max_steps") and not _secret("group_size")

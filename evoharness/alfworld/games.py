@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from evoharness.alfworld.families import FAMILIES, SPLITS
@@ -35,6 +37,36 @@ class Game:
     @property
     def short_family(self) -> str:
         return FAMILIES.get(self.family, self.family)
+
+
+# TextWorld's grammar evaluates ``{...}`` in its rules as Python: a game file is accepted only with ALFWorld's
+# own domain and grammar (this alfworld package's files), the grammar's goal replaced by plain words, and a
+# PDDL problem made only of PDDL's characters. Anything else is refused by content, before the engine sees it.
+_GOAL = re.compile(r"[A-Za-z0-9 ,.'-]{1,300}")
+_PROBLEM = re.compile(r"[A-Za-z0-9\s()\-:?_.;=]*")
+MAX_GAME_BYTES = 4 << 20
+
+
+@lru_cache(maxsize=1)
+def _trusted() -> tuple[str, str, str]:
+    from evoharness.alfworld.scenes import domain_text, grammar_text
+
+    prefix, _, suffix = grammar_text().partition("UNKNOWN GOAL")
+    return domain_text(), prefix, suffix
+
+
+def untrusted(data: dict) -> str | None:
+    """Why a game file's content is not ALFWorld's own (None: it is). Checked field by field, by content."""
+    domain, prefix, suffix = _trusted()
+    if data["pddl_domain"] != domain:
+        return "its pddl_domain is not ALFWorld's alfred.pddl"
+    g = data["grammar"]
+    goal = g[len(prefix):len(g) - len(suffix)] if len(g) >= len(prefix) + len(suffix) else ""
+    if not (g.startswith(prefix) and g.endswith(suffix) and _GOAL.fullmatch(goal)):
+        return "its grammar is not ALFWorld's alfred.twl2 with a plain-words goal (a grammar can run code)"
+    if not _PROBLEM.fullmatch(data["pddl_problem"]):
+        return "its pddl_problem holds characters PDDL does not use"
+    return None
 
 
 def official_root() -> Path | None:
@@ -68,12 +100,17 @@ def _read_game(trial: Path, root: Path, split: str) -> Game | None:
     if not gpath.exists():
         return None
     try:
+        if gpath.stat().st_size > MAX_GAME_BYTES:
+            raise ValueError(f"larger than {MAX_GAME_BYTES >> 20} MiB")
         data = json.loads(gpath.read_text())
         for key in ("pddl_domain", "grammar", "pddl_problem"):
             if not isinstance(data.get(key), str):
                 raise ValueError(f"missing field {key!r}")
     except (OSError, ValueError) as e:
         return Game(gid, str(gpath), split, family, f"{gpath}: corrupt game file ({e})")
+    why = untrusted(data)
+    if why:
+        raise EvoError(f"game file {gpath} refused: {why}; games are data, never code (regenerate it with `evoharness games`)")
     if data.get("solvable") is not True:
         return None
     return Game(gid, str(gpath), split, family)

@@ -115,11 +115,18 @@ def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
     for fam in cfg.families:
         if fam not in FAMILIES:
             raise EvoError(f"games.families: unknown family {fam!r}")
+    from evoharness.alfworld.games import official_root
+
+    official = official_root()
+    if out.name == "json_2.1.1" or (official is not None and out.resolve() == official.resolve()):
+        raise EvoError(f"games --out {out}: is an official ALFWorld json_2.1.1 folder; generated games go elsewhere (its splits are never replaced)")
     summary: dict = {"seed": cfg.seed, "splits": {}}
     train_scenes: dict[str, set[int]] = {}
     with EnvPool(cfg.workers) as pool:
         for split in ("train", "valid_seen", "valid_unseen"):
             n = cfg.per_family.get(split, 0)
+            if n <= 0:
+                continue  # not regenerated: what is there stays
             sdir = out / split
             if sdir.exists():
                 shutil.rmtree(sdir)  # a split is regenerated whole: stale games must not linger
