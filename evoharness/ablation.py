@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from evoharness import atomic
 from evoharness.errors import EvoError
 from evoharness.harness.workspace import META_VERBS
 
@@ -97,7 +98,7 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
     table = ablation_table(results) + "\n\n" + claims(results, CLAIMS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    atomic.write_json(out / "results.json", results, indent=1)
     echo(table)
     return {row.label: {s: results[row.label][s]["all"]["success"] for s in SPLITS} for row in ROWS}
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import typer
 
+from evoharness import atomic
 from evoharness.errors import EvoError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, help="EvoHarness Ops: ALFWorld agents that learn when to use a BPE harness.")
@@ -515,8 +516,7 @@ def ablation():
 
 
 def _write_json(path: Path, data) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    atomic.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 @app.command()

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from evoharness import atomic
 from evoharness.alfworld.games import Game
 from evoharness.envpool import EnvPool
 from evoharness.episode import EpisodeConfig
@@ -60,5 +61,5 @@ def collect(
         "bank_entries": len(bank.entries),
         "by_family": summarize(records),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic.write_json(out_dir / "summary.json", summary, indent=2)
     return summary

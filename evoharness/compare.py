@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from evoharness import atomic
 from evoharness.alfworld.families import FAMILIES
 from evoharness.alfworld.games import list_games
 from evoharness.config import load_params
@@ -135,7 +136,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
                     echo(format_table(f"{label} {split}", r["summary"]))
             finally:  # the next model's engine needs the memory this one holds
                 release(str(path))
-            (out / label / "results.json").write_text(json.dumps({**results[label], "model_digest": digests[label]}, indent=2))
+            atomic.write_json(out / label / "results.json", {**results[label], "model_digest": digests[label]}, indent=2)
     table = comparison_table(results) + "\n\n" + claims(results)
     (out / "comparison.md").write_text(table + "\n")
     echo(table)

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from evoharness import atomic
 from evoharness.alfworld.families import FAMILIES
 from evoharness.alfworld.games import Game
 from evoharness.envpool import EnvPool
@@ -147,5 +148,5 @@ def evaluate(
         "unparsed_lines": bad_lines,
         "summary": summarize(records),
     }
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    atomic.write_json(out_dir / "results.json", result, indent=2)
     return result

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from evoharness import atomic
 from evoharness.alfworld.games import list_games
 from evoharness.config import load_params
 from evoharness.envpool import EnvPool
@@ -27,7 +28,7 @@ def baselines(params_path: str, games_root: Path, bank_path: Path, out: Path, ec
                 r = evaluate(games, parse_policy(pol), p.episode, list(p.eval.seeds), Path(out) / label, p.workers, bank, pool=pool)
                 results[label] = r["summary"]
                 echo(format_table(label, r["summary"]))
-    (Path(out) / "summary.json").write_text(json.dumps(results, indent=2))
+    atomic.write_json(Path(out) / "summary.json", results, indent=2)
     return results
 
 

@@ -37,6 +37,7 @@ from typing import Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from evoharness import atomic
 from evoharness.alfworld.families import FAMILIES
 from evoharness.errors import EvoError
 
@@ -494,7 +495,7 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / "evidence.json").write_text(json.dumps(cand.to_json(), indent=1))
+    atomic.write_json(report_dir / "evidence.json", cand.to_json(), indent=1)
     if mv is None:
         model_dir = Path(model_dir)
         files = [f for f in sorted(model_dir.rglob("*")) if f.is_file()]
@@ -514,8 +515,8 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
     plot = annealing_plot(curve, report_dir / "annealing.png")
     artifact_plot = f"get-artifact?path=promotion%2Fannealing.png&run_uuid={run_id}" if plot else None
     md = report(name, mv.version, decision, cand, champ_ev.summary if champ_ev else None, artifact_plot)
-    (report_dir / "promotion.md").write_text(report(name, mv.version, decision, cand, champ_ev.summary if champ_ev else None, plot.name if plot else None))
-    (report_dir / "decision.json").write_text(json.dumps(decision.as_dict(), indent=2))
+    atomic.write_text(report_dir / "promotion.md", report(name, mv.version, decision, cand, champ_ev.summary if champ_ev else None, plot.name if plot else None))
+    atomic.write_json(report_dir / "decision.json", decision.as_dict(), indent=2)
     c.log_artifacts(run_id, str(report_dir), "promotion")
     c.update_model_version(name, mv.version, description=md)
     return decision

@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from evoharness import stagerun, tracking
 from evoharness.lineage import git
+from evoharness.errors import EvoError
 
 # Stage → its metrics JSON (the DVC metrics file) and, for GRPO, the per-update curve.
 METRICS = {
@@ -28,8 +29,8 @@ def read_metrics(root: Path, stage: str) -> dict:
     p = Path(root) / METRICS.get(stage, "-")
     try:
         return json.loads(p.read_text()) if p.is_file() else {}
-    except ValueError:
-        return {}
+    except ValueError as e:  # torn or corrupt: never read as "no metrics"
+        raise EvoError(f"{p}: the {stage} stage's metrics file is not valid JSON ({e}); rerun the stage (`dvc repro -f {stage}`)") from None
 
 
 def git_state(root: Path) -> dict[str, str]:

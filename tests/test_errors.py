@@ -222,3 +222,35 @@ def test_out_of_range_numbers_are_one_line_and_touch_nothing(games_copy, tmp_pat
         lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and re.fullmatch(want, lines[0]), (args, r.stdout, r.stderr)
         assert hashlib.sha256((demos / "demos.jsonl").read_bytes()).hexdigest() == before and sorted(p.name for p in demos.iterdir()) == ["demos.jsonl"]
+
+
+def test_files_are_written_whole_and_a_torn_file_is_never_read_as_empty(tmp_path, monkeypatch):
+    import os
+
+    from evoharness import atomic
+    from evoharness.training.grpo import _curve_rows
+    from tasks.tracking import METRICS, read_metrics
+
+    f = atomic.write_json(tmp_path / "m" / "results.json", {"success": 0.4})
+    real = os.replace
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # the process killed between writing the new file and renaming it
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.write_json(f, {"success": 0.0})
+    monkeypatch.setattr(os, "replace", real)
+    assert json.loads(f.read_text()) == {"success": 0.4} and [p.name for p in f.parent.iterdir()] == ["results.json"]
+    # GRPO's running curve: a last line torn by a kill is left out on resume; a corrupt line before it is an error.
+    curve = tmp_path / "curve.jsonl"
+    curve.write_text('{"update": 0}\n{"update": 1}\n{"upda')
+    assert _curve_rows(curve) == ['{"update": 0}', '{"update": 1}']
+    curve.write_text('{"update": 0}\n{"upda\n{"update": 2}\n')
+    with pytest.raises(EvoError, match=r"curve\.jsonl: line 2 is not a JSON row"):
+        _curve_rows(curve)
+    # A torn metrics file stops the retrain in one line; it is never read as "no metrics".
+    m = tmp_path / METRICS["grpo"]
+    m.parent.mkdir(parents=True, exist_ok=True)
+    m.write_text('{"success": 0.')
+    with pytest.raises(EvoError, match=r"the grpo stage's metrics file is not valid JSON"):
+        read_metrics(tmp_path, "grpo")

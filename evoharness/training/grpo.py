@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
+from evoharness import atomic
 from evoharness.alfworld.games import Game, list_games
 from evoharness.chat_format import render
 from evoharness.envpool import EnvPool
@@ -428,6 +428,22 @@ def episode_reward(prompts, completions, episode_reward, **kwargs):
     return [None if r is None else float(r) for r in episode_reward]
 
 
+def _curve_rows(path: Path) -> list[str]:
+    """The running curve's rows; a last line torn by a kill (appended, not yet whole) is left out, any
+    other unreadable line is an error naming the file."""
+    lines = [x for x in (path.read_text().splitlines() if path.exists() else []) if x.strip()]
+    rows = []
+    for i, x in enumerate(lines):
+        try:
+            json.loads(x)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise EvoError(f"{path}: line {i + 1} is not a JSON row (the curve is corrupt; delete the checkpoints to start over)") from None
+        rows.append(x)
+    return rows
+
+
 def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir: Path, profile: Profile, reward: RewardConfig,
                seed: int = 0, workers: int = 2, steps: int | None = None, checkpoints: Path | None = None,
                curve: Path | None = None, timing: Path | None = None, root: Path | None = None, order: list[str] | None = None,
@@ -525,9 +541,8 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     if main:
         curve.parent.mkdir(parents=True, exist_ok=True)
         banks.mkdir(parents=True, exist_ok=True)
-        kept = [] if resume is None else [x for x in (running_curve.read_text().splitlines() if running_curve.exists() else [])
-                                         if x.strip() and json.loads(x)["update"] < int(Path(resume).name.split("-")[-1])]
-        running_curve.write_text("".join(x + "\n" for x in kept))
+        kept = [] if resume is None else [x for x in _curve_rows(running_curve) if json.loads(x)["update"] < int(Path(resume).name.split("-")[-1])]
+        atomic.write_text(running_curve, "".join(x + "\n" for x in kept))
     tok = AutoTokenizer.from_pretrained(sft_dir)
     model, loaded_partitioned, peft_config = load_for_training(sft_dir, profile.base.dtype, g.lora, g.lora_r, g.lora_alpha)
     with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
@@ -548,7 +563,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     save_trained(trainer, tok, sft_dir, out_dir, g.lora)
     if main:
         rollouts.bank.save(out_dir / "experience.json")
-        shutil.copy(running_curve, curve)
+        atomic.write_text(curve, running_curve.read_text())
     dist.wait_for_everyone()
     rows = [json.loads(x) for x in curve.read_text().splitlines() if x.strip()] if curve.exists() else []
     episodes = sum(c["episodes"] for c in rows)
