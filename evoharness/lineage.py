@@ -434,8 +434,8 @@ def lock_outs(stages: dict) -> list[Out]:
     return res
 
 
-def _mlflow_commit(run_id: str, root: Path) -> str | None:
-    """The git commit a retrain's MLflow run was tagged with, in the project's tracking store."""
+def _mlflow_tags(run_id: str, root: Path) -> dict | None:
+    """A run's tags in the project's tracking store; None when it is not a run there."""
     from evoharness import tracking
 
     uri = tracking.tracking_uri(root)
@@ -445,7 +445,13 @@ def _mlflow_commit(run_id: str, root: Path) -> str | None:
         run = tracking.client(root).get_run(run_id)
     except Exception:  # not a run id in this store (or the store is unreachable): not an MLflow reference
         return None
-    return run.data.tags.get("git_commit") or run.data.tags.get("mlflow.source.git.commit")
+    return dict(run.data.tags)
+
+
+def _mlflow_commit(run_id: str, root: Path) -> str | None:
+    """The git commit a retrain's MLflow run was tagged with, in the project's tracking store."""
+    tags = _mlflow_tags(run_id, root) or {}
+    return tags.get("git_commit") or tags.get("mlflow.source.git.commit")
 
 
 def lineage(target: str, root: Path, echo=print) -> dict:

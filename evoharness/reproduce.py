@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,12 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
     import yaml
 
     root = Path(root)
+    tag = record_ref(run_id)
+    existing = git(["rev-parse", "--verify", "--quiet", f"refs/tags/{tag}^{{commit}}"], root, check=False)
+    if existing:  # a retry of this run's record: the record made before is the record (records never move)
+        echo(f"the run's record {tag} exists ({existing[:12]}); reusing it")
+        _push_record(root, tag, existing, push, echo)
+        return tag, existing
     index = Path(tempfile.mkdtemp(prefix="evoharness-record-")) / "index"
     env = dict(os.environ, GIT_INDEX_FILE=str(index), **record_identity(root)[0])
 
@@ -77,29 +84,44 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
         commit = g("commit-tree", tree, "-p", head, "-m", message)
     finally:
         shutil.rmtree(index.parent, ignore_errors=True)
-    tag = record_ref(run_id)
-    git(["tag", "-f", tag, commit], root)
-    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
-    if push and origin and is_network_url(origin):
-        for attempt in range(3):
-            r = subprocess.run(["git", "push", "-q", "-f", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True,
-                               env=dict(os.environ, GIT_TERMINAL_PROMPT="0"))
-            if r.returncode == 0:
-                break
-            time.sleep(2 * (attempt + 1))
-        else:
-            raise EvoError(f"could not push the run's record {tag} to {redact(origin)} ({redact(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')}); "
-                           f"push it with `git push origin refs/tags/{tag}`")
-        echo(f"recorded the run as {tag} ({commit[:12]}) and pushed it to {redact(origin)}")
-    else:
-        echo(f"recorded the run as {tag} ({commit[:12]}) in {root} (no network origin to push it to)")
+    git(["tag", tag, commit], root)  # never -f: a record does not move
+    _push_record(root, tag, commit, push, echo)
     return tag, commit
+
+
+def _push_record(root: Path, tag: str, commit: str, push: bool, echo) -> None:
+    """Push the record's tag (never forced: origin keeps the record it has; one naming another commit is an
+    error, not overwritten)."""
+    origin = git(["config", "--get", "remote.origin.url"], root, check=False)
+    if not (push and origin and is_network_url(origin)):
+        echo(f"recorded the run as {tag} ({commit[:12]}) in {root} (no network origin to push it to)")
+        return
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")
+    for attempt in range(3):
+        r = subprocess.run(["git", "push", "-q", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True, env=env)
+        if r.returncode == 0:
+            break
+        there = subprocess.run(["git", "ls-remote", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True, env=env).stdout.split()
+        if there and there[0] == commit:
+            break  # already there, as it is here
+        if there:
+            raise EvoError(f"origin {redact(origin)} already has the record {tag} naming commit {there[0][:12]}, not {commit[:12]}; "
+                           "records never move: nothing was pushed")
+        time.sleep(2 * (attempt + 1))
+    else:
+        raise EvoError(f"could not push the run's record {tag} to {redact(origin)} ({redact(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')}); "
+                       f"push it with `git push origin refs/tags/{tag}`")
+    echo(f"recorded the run as {tag} ({commit[:12]}) and pushed it to {redact(origin)}")
 
 
 def _fetch_records(root: Path) -> None:
     origin = git(["config", "--get", "remote.origin.url"], root, check=False)
     if origin:
-        git(["fetch", "-q", "origin", f"+refs/tags/{RECORD_PREFIX}*:refs/tags/{RECORD_PREFIX}*"], root, check=False)
+        # Without '+': a record this machine has is never overwritten by origin's (git refuses to clobber a tag).
+        git(["fetch", "-q", "origin", f"refs/tags/{RECORD_PREFIX}*:refs/tags/{RECORD_PREFIX}*"], root, check=False)
+
+
+_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 def find_record(ref: str, root: Path) -> tuple[str, str]:
@@ -133,6 +155,8 @@ def find_record(ref: str, root: Path) -> tuple[str, str]:
 
     run_commit = _mlflow_commit(name, root)
     if run_commit:
+        if not _SHA.fullmatch(run_commit):
+            raise EvoError(f"MLflow run {name}: its git_commit tag {run_commit[:60]!r} is not a commit id; nothing is reproduced")
         return run_commit, f"MLflow run {name} (its git_commit tag: no record of it in git)"
     raise EvoError(f"{ref!r} is neither a retrain's MLflow run id (no tag {record_ref(name)} here or on origin), nor a git ref, "
                    "nor an output hash in any recorded dvc.lock")
@@ -220,9 +244,19 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
     from evoharness.stagerun import machine
 
     commit, how = find_record(ref, root)
+    if how.startswith("the record of MLflow run"):  # the record must be the one the run itself named
+        from evoharness.lineage import _mlflow_tags
+
+        run_id = ref.strip().removeprefix(RECORD_PREFIX)
+        named = (_mlflow_tags(run_id, root) or {}).get("git_record_commit")
+        if named and named != commit:
+            raise EvoError(f"the record {record_ref(run_id)} names commit {commit[:12]}, but MLflow run {run_id} recorded {named[:12]}; "
+                           "the tag was moved: nothing is reproduced")
     echo(f"reproducing {commit[:12]}: {how}; on {machine()}")
     python = sys.executable
     work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
+    if not _SHA.fullmatch(commit):  # resolved above to a commit id; anything else never reaches git as an argument
+        raise EvoError(f"reproduce: {commit[:60]!r} is not a commit id; nothing is reproduced")
     git(["worktree", "add", "--detach", str(work), commit], root)
     try:
         why = environment_mismatch(commit, root, python)

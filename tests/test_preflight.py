@@ -176,3 +176,37 @@ def test_a_retrain_whose_origin_refuses_the_push_stops_before_its_first_stage(pr
     assert not (repo / "data" / "games").exists() and not (repo / "dvc.lock").exists()  # no stage ran
     assert "preflight: DVC remote local" in r.stdout + r.stderr
 
+
+
+def test_records_never_move_and_reproduce_refuses_a_moved_one(tmp_path, git_server, mlflow_template, monkeypatch):
+    """A retry of a run's record reuses it; origin's record is never overwritten (nor is a local one by a fetch);
+    reproduce refuses a record tag that names another commit than the MLflow run recorded."""
+    import shutil
+
+    from evoharness import tracking
+    from evoharness.reproduce import reproduce
+
+    repo = make_project(tmp_path, MICRO)
+    git(["remote", "add", "origin", git_server.bare("records")], repo)
+    git(["push", "-q", "origin", "HEAD:main"], repo)
+    tag, rec = record_run(repo, "run-r", "retrain run-r", echo=lambda _m: None)
+    again, rec2 = record_run(repo, "run-r", "retrain run-r (retried)", echo=lambda _m: None)
+    assert (again, rec2) == (tag, rec) and git(["ls-remote", "origin", f"refs/tags/{tag}"], repo).split()[0] == rec
+    # Someone moves the tag here to another commit: the push is refused, origin keeps its record.
+    other = git(["commit-tree", f"{rec}^{{tree}}", "-p", rec, "-m", "forged"], repo, env=dict(os.environ, **record_identity(repo)[0]))
+    git(["tag", "-f", tag, other], repo)
+    with pytest.raises(EvoError, match=rf"already has the record {tag} naming commit {rec[:12]}, not {other[:12]}; records never move"):
+        record_run(repo, "run-r", "retrain run-r", echo=lambda _m: None)
+    assert git(["ls-remote", "origin", f"refs/tags/{tag}"], repo).split()[0] == rec
+    # A fetch of the records never overwrites the local one either; reproduce compares it with what MLflow recorded.
+    from evoharness.reproduce import _fetch_records
+
+    _fetch_records(repo)
+    assert git(["rev-parse", f"refs/tags/{tag}"], repo) == other
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(mlflow_template, repo / "mlflow.db")
+    c = tracking.client(repo)
+    run = c.create_run(tracking.experiment_id(c, repo), tags={"git_commit": rec, "git_record_commit": rec})
+    git(["tag", f"retrain/{run.info.run_id}", other], repo)
+    with pytest.raises(EvoError, match=rf"names commit {other[:12]}, but MLflow run {run.info.run_id} recorded {rec[:12]}; the tag was moved"):
+        reproduce(run.info.run_id, repo, echo=lambda _m: None, setup=False)
