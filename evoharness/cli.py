@@ -536,7 +536,7 @@ def promotions(
     prefix = model or raw.get("model_name", "evoharness-agent")
     rows = promotion.promotions(tracking.client(Path.cwd()), prefix)
     if not rows:
-        typer.echo(f"no registered versions of {prefix}* in {tracking.tracking_uri(Path.cwd())}")
+        typer.echo(f"no registered versions of {prefix}* in {redact(tracking.tracking_uri(Path.cwd()))}")
         return
     typer.echo(f"{'model':<32} {'ver':>4} {'decision':<9} {'seen':>6} {'unseen':>6} {'aliases':<20} reasons")
     for r in rows[:limit]:

@@ -328,9 +328,43 @@ def run_checked_out(spec: dict, ws: Path, echo=print) -> StageResult:
     return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage), machine=res.machine)
 
 
+_MD5 = __import__("re").compile(r"[0-9a-f]{32}(\.dir)?")
+
+
+def check_lock_entry(root: Path, stage: str, entry) -> None:
+    """A job's returned lock entry is untrusted input: its shape is DVC's, its command is the stage's own, and
+    every path it names is inside the repository (its outputs exactly the stage's declared ones)."""
+    def bad(why: str) -> EvoError:
+        return EvoError(f"job for stage {stage!r} returned a dvc.lock entry that {why}; nothing was merged")
+
+    if not isinstance(entry, dict) or set(entry) - {"cmd", "deps", "params", "outs"}:
+        raise bad("is not a DVC lock entry (keys cmd, deps, params, outs)")
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    if entry.get("cmd") != spec.get("cmd"):
+        raise bad("names another command than dvc.yaml's")
+    declared = set()
+    for kind in ("outs", "metrics", "plots"):
+        declared |= {o if isinstance(o, str) else next(iter(o)) for o in spec.get(kind) or []}
+    for kind in ("deps", "outs"):
+        items = entry.get(kind) or []
+        if not isinstance(items, list):
+            raise bad(f"has {kind} that are not a list")
+        for o in items:
+            path = o.get("path") if isinstance(o, dict) else None
+            if not isinstance(path, str) or not path or Path(path).is_absolute() or ".." in Path(path).parts:
+                raise bad(f"names a path outside the repository in its {kind} ({str(path)[:80]!r})")
+            if "md5" in o and not (isinstance(o["md5"], str) and _MD5.fullmatch(o["md5"])):
+                raise bad(f"has an md5 that is not one in its {kind} ({str(o['md5'])[:40]!r})")
+            if kind == "outs" and path not in declared:
+                raise bad(f"names output {path!r}, which dvc.yaml does not declare for the stage")
+    if not isinstance(entry.get("params", {}), dict):
+        raise bad("has params that are not a mapping")
+
+
 def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:
     """Record a job's lock entry here and pull its outputs by the hashes it names; then DVC must
     agree the stage is up to date (same commit, same inputs), else the job ran something else."""
+    check_lock_entry(root, stage, entry)
     if not entry.get("outs"):
         raise EvoError(f"job for stage {stage!r} returned no outputs in its dvc.lock entry")
     uncached = uncached_outs(root, stage)

