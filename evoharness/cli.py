@@ -534,6 +534,7 @@ def promotions(
         raise EvoError(f"promotions: --limit must be at least 1 (got {limit})")
     raw = (yaml.safe_load(Path(params).read_text()) or {}).get("promotion", {}) if Path(params).exists() else {}
     prefix = model or raw.get("model_name", "evoharness-agent")
+    promotion.check_model_name(prefix)
     rows = promotion.promotions(tracking.client(Path.cwd()), prefix)
     if not rows:
         typer.echo(f"no registered versions of {prefix}* in {redact(tracking.tracking_uri(Path.cwd()))}")

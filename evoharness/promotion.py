@@ -64,7 +64,8 @@ class Thresholds(BaseModel):
 class PromotionParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_name: str = Field("evoharness-agent", min_length=1, description="registered model name; the profile is appended")
+    model_name: str = Field("evoharness-agent", min_length=1, pattern=r"^[A-Za-z0-9._/ -]+$",
+                            description="registered model name; the profile is appended")
     log_weights: dict[str, bool] = Field(default_factory=dict, description="per profile: copy the weights into MLflow (else config, tokenizer and the DVC pointer)")
     thresholds: dict[str, Thresholds]
 
@@ -562,8 +563,17 @@ def read_champion_version(c, name: str, mv):
         raise EvoError(f"promotion: version {mv.version} of {name} has no readable {EVIDENCE} ({type(e).__name__}); nothing moved") from None
 
 
+def check_model_name(name: str) -> None:
+    """A registered model name (or prefix) goes into MLflow's filter strings: nothing that could end the quote."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9._/ -]*", name):
+        raise EvoError(f"model name {name[:80]!r}: a registered model name holds letters, digits, '.', '_', '-', '/' and spaces only")
+
+
 def promotions(c, name_prefix: str) -> list[dict]:
     """Every decision, newest first, across the registered models whose name starts with prefix."""
+    check_model_name(name_prefix)
     rows = []
     for rm in c.search_registered_models(f"name LIKE '{name_prefix}%'"):
         aliases = {}

@@ -302,3 +302,10 @@ def test_a_tracking_uri_with_a_password_is_one_line_that_never_shows_it(tmp_path
     lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and re.match(want, lines[0]), r.stdout + r.stderr
     assert "hunter2" not in r.stdout + r.stderr
+
+
+def test_a_model_name_that_could_end_mlflows_filter_quote_is_one_line_and_creates_no_store(tmp_path):
+    r = subprocess.run(CLI + ["promotions", "--model", "x'"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines == ["error: model name \"x'\": a registered model name holds letters, digits, '.', '_', '-', '/' and spaces only"], lines
+    assert list(tmp_path.iterdir()) == []  # no tracking store was created for it
