@@ -11,6 +11,7 @@ becomes final (its aliases move) only once the run's git record exists.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from pathlib import Path
@@ -153,15 +154,18 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                                                         {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s,
                                                          "time_limit_s": p.pool.time_limit(profile, s)}, poll_s, key) for s in group]
                     # The first failure stops the group: jobs not started are cancelled, running ones are left to a rerun.
-                    pending, failed = list(futures), None
+                    # Waited on locally (never a future's .state while it runs: that asks the Prefect server, which
+                    # may be away for minutes while the jobs go on).
+                    by_wrapped = {f.wrapped_future: f for f in futures}
+                    pending, failed = set(by_wrapped), None
                     while pending:
-                        for f in list(pending):
-                            f.wait(timeout=0.5)
-                            if f.state.is_final():
-                                pending.remove(f)
-                                if not f.state.is_completed() and failed is None:
-                                    failed = f
-                                    st.group_abort(key).set()
+                        finished, pending = concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
+                        for w in finished:
+                            f = by_wrapped[w]
+                            f.wait()  # done: its final state is now known here
+                            if not f.state.is_completed() and failed is None:
+                                failed = f
+                                st.group_abort(key).set()
                     for f in futures:
                         if f.state.is_completed():
                             done(f.result())
