@@ -15,8 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,7 +239,7 @@ def _run_guarded(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedPr
                 for check in list(_GUARDS):
                     check()
         except BaseException:  # a guard, or this process interrupted (a signal turned into an exception): the command goes too
-            with contextlib.suppress(ProcessLookupError):
+            with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise

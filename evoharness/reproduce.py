@@ -254,9 +254,9 @@ def reproduce(ref: str, root: Path, echo=print, keep: bool = False, setup: bool 
                            "the tag was moved: nothing is reproduced")
     echo(f"reproducing {commit[:12]}: {how}; on {machine()}")
     python = sys.executable
-    work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
     if not _SHA.fullmatch(commit):  # resolved above to a commit id; anything else never reaches git as an argument
         raise EvoError(f"reproduce: {commit[:60]!r} is not a commit id; nothing is reproduced")
+    work = Path(tempfile.mkdtemp(prefix="evoharness-repro-")) / "repo"
     git(["worktree", "add", "--detach", str(work), commit], root)
     try:
         why = environment_mismatch(commit, root, python)

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,7 +329,7 @@ def run_checked_out(spec: dict, ws: Path, echo=print) -> StageResult:
     return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage), machine=res.machine)
 
 
-_MD5 = __import__("re").compile(r"[0-9a-f]{32}(\.dir)?")
+_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
 def check_lock_entry(root: Path, stage: str, entry) -> None:

@@ -59,22 +59,13 @@ def _with_git_token(root: Path, spec: dict, repo_url: str, echo) -> tuple[str, P
     """An HTTPS origin: when the Prefect Secret block ``evoharness-git-token`` exists, the stage jobs' git_clone
     steps read their token from it (and the job's own checkout does too, ``flows.stage.git_token``): returns
     the URL without its user (the step puts the token there) and a copy of prefect.yaml saying so."""
-    from urllib.parse import urlsplit, urlunsplit
+    from flows.stage import GIT_TOKEN_BLOCK, stored_git_token, without_userinfo
 
-    from prefect.blocks.system import Secret
-
-    from flows.stage import GIT_TOKEN_BLOCK
-
-    try:
-        Secret.load(GIT_TOKEN_BLOCK)
-    except ValueError as e:
-        if "Unable to find block document" not in str(e):
-            raise
+    if stored_git_token() is None:
         echo(f"the origin {repo_url} is HTTPS and there is no Prefect Secret block {GIT_TOKEN_BLOCK!r}: the stage jobs clone it "
              "without a token (create the block with the token to clone a private repository)")
         return repo_url, root / "prefect.yaml"
-    parts = urlsplit(repo_url)
-    bare = urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+    bare = without_userinfo(repo_url)
     for d in spec.get("deployments") or []:
         for step in d.get("pull") or []:
             clone = step.get("prefect.deployments.steps.git_clone")

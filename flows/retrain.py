@@ -166,6 +166,7 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                             if not f.state.is_completed() and failed is None:
                                 failed = f
                                 st.group_abort(key).set()
+                    st.group_done(key)
                     for f in futures:
                         if f.state.is_completed():
                             done(f.result())

@@ -63,12 +63,9 @@ class Fence:
 GIT_TOKEN_BLOCK = "evoharness-git-token"
 
 
-def git_token(repo: str) -> str | None:
-    """An HTTPS origin's token: the Prefect Secret block ``evoharness-git-token`` (``TOKEN`` or ``USER:TOKEN``;
-    the deployment's git_clone step reads the same block), or None for another kind of origin or no such block.
-    A server that cannot be asked stops the job (raised), never read as "no token"."""
-    if not repo.startswith("https://"):
-        return None
+def stored_git_token() -> str | None:
+    """The Prefect Secret block ``evoharness-git-token`` (``TOKEN`` or ``USER:TOKEN``), or None when there is no
+    such block. A server that cannot be asked raises: never read as "no token"."""
     from prefect.blocks.system import Secret
 
     try:
@@ -79,7 +76,12 @@ def git_token(repo: str) -> str | None:
         raise
 
 
-def _without_userinfo(url: str) -> str:
+def git_token(repo: str) -> str | None:
+    """An HTTPS origin's token (the deployment's git_clone step reads the same block); None for other origins."""
+    return stored_git_token() if repo.startswith("https://") else None
+
+
+def without_userinfo(url: str) -> str:
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url.strip())
@@ -99,10 +101,10 @@ def check_origin(repo: str) -> None:
     mine = r.stdout.strip()
     if r.returncode or not mine:
         raise EvoError(f"this job's code at {here} has no git origin to compare the dispatched repository with; nothing runs")
-    if _without_userinfo(repo) != _without_userinfo(mine):
+    if without_userinfo(repo) != without_userinfo(mine):
         from evoharness.secrets import redact
 
-        raise EvoError(f"the job names repository {redact(repo)}, not the origin this deployment clones ({redact(_without_userinfo(mine))}); nothing runs")
+        raise EvoError(f"the job names repository {redact(repo)}, not the origin this deployment clones ({redact(without_userinfo(mine))}); nothing runs")
 
 
 def box_name() -> str:

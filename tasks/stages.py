@@ -179,8 +179,6 @@ def _job_result(flow_run_id) -> dict:
 def _last_heartbeat(c, flow_run_id):
     """The id of the job's newest heartbeat event (None: none yet). Only its identity is used: when it
     was sent is the job box's clock, which may be minutes off."""
-    from datetime import datetime, timedelta, timezone
-
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     now = datetime.now(timezone.utc)  # a window wide enough for any box's clock (the default ends at this machine's now)
@@ -234,6 +232,10 @@ _ABORTS: dict[str, threading.Event] = {}
 def group_abort(key: str) -> threading.Event:
     """The event that tells the watches of stages dispatched side by side that one of them failed."""
     return _ABORTS.setdefault(key, threading.Event())
+
+
+def group_done(key: str) -> None:
+    _ABORTS.pop(key, None)
 
 
 def watch_job(flow_run_id, stage: str, pool: str, silence_s: float, time_limit_s: float, fence_s: float, poll_s: float = 5.0, log=None,
