@@ -141,6 +141,10 @@ def load_params(path: str | Path | None = "params.yaml") -> Params:
         raise EvoError(f"params file {p} does not exist")
     try:
         raw = yaml.safe_load(p.read_text()) or {}
+    except OSError as e:
+        raise EvoError(f"params file {p}: cannot be read ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:
+        raise EvoError(f"params file {p}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

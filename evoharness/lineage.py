@@ -115,6 +115,22 @@ def default_remote(root: Path) -> tuple[str, str] | None:
     return name, str(remote.get("url", ""))  # DVC's loader already made a relative local path absolute
 
 
+def ensure_verify(root: Path) -> None:
+    """Every pull re-hashes what it downloads (DVC's ``verify``; off by default for most remotes): a remote
+    object whose bytes do not match its name fails the pull instead of landing in the workspace. Set in
+    ``.dvc/config.local`` when no level of the config sets it, so a committed config cannot turn it off
+    for this checkout by leaving it out."""
+    found = default_remote(root)
+    if found is None:
+        return
+    name = found[0]
+    conf = dvc_config(root)
+    if (conf.get("remote") or {}).get(name, {}).get("verify") is True:
+        return
+    with conf.edit("local") as local:
+        local.setdefault("remote", {}).setdefault(name, {})["verify"] = True
+
+
 NETWORK_SCHEMES = ("s3", "gs", "gcs", "azure", "ssh", "sftp", "webdav", "webdavs", "http", "https", "hdfs", "oss", "git")
 
 
@@ -257,6 +273,8 @@ def dvc(args: list[str], cwd: Path, python: str | None = None) -> str:
     check_lock(cwd)
     if args and args[0] in ("push", "pull", "fetch") and not any(a in ("-r", "--remote") for a in args):
         check_remote(cwd)
+        if args[0] != "push":
+            ensure_verify(cwd)
     cmd = [python or sys.executable, "-m", "dvc", *args]
     for check in list(_GUARDS):
         check()

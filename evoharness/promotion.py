@@ -149,6 +149,13 @@ def evidence_from_dirs(label: str, split_dirs: dict[str, Path], games_md5: str) 
                            f"where {Path(d) / 'results.json'} played {played}: episodes of another evaluation are in that folder")
         summary[split] = res.get("summary") or {}
         outcomes[split] = {f"{r['game_id']}#s{r['seed']}": int(bool(r.get("outcome", {}).get("won")) and not r.get("error")) for r in records}
+        # the summary the thresholds read and the episodes the paired tests read must be one evaluation
+        wins = sum(outcomes[split].values())
+        total = (summary[split].get("all") or {}) if isinstance(summary[split], dict) else {}
+        claimed = (total.get("wins"), total.get("episodes"), total.get("success"))
+        if claimed != (wins, len(records), round(wins / len(records), 4)):
+            raise EvoError(f"promotion: {Path(d) / 'results.json'} says {claimed[0]} wins of {claimed[1]} (success {claimed[2]}) but "
+                           f"{Path(d) / 'episodes.jsonl'} holds {wins} wins of {len(records)}: the evidence contradicts itself; re-run the evaluation")
         errored += sum(bool(r.get("error")) for r in records)
         conds.append(conditions_of(res, records, games_md5))
     merged = dict(conds[0])
@@ -248,9 +255,28 @@ class Decision:
         return asdict(self) | {"decision": self.word}
 
 
+# What a reference evaluation (a baseline the candidate must beat) shares with the candidate: the games, seeds,
+# budgets and harness. Decoding is compared too where both are models (a scripted baseline has none).
+REF_CONDITION_KEYS = ("games", "splits", "seeds", "max_steps", "max_turns", "mode", "charge_meta_actions")
+DECODING_KEYS = ("decoding", "sampling", "max_new_tokens")
+
+
+def check_reference_conditions(cand: Evidence, refs: dict[str, Evidence]) -> None:
+    """A reference evaluated under other conditions than the candidate's compares nothing: refused in one line."""
+    for label, ref in refs.items():
+        keys = list(REF_CONDITION_KEYS)
+        if all(ref.conditions.get(k, "n/a") != "n/a" for k in DECODING_KEYS):
+            keys += DECODING_KEYS
+        diffs = [f"{k} {ref.conditions.get(k)} vs {cand.conditions.get(k)}" for k in keys if str(ref.conditions.get(k)) != str(cand.conditions.get(k))]
+        if diffs:
+            raise EvoError(f"promotion: {label} was evaluated under other conditions than the candidate ({'; '.join(diffs)}); "
+                           "re-run the baselines stage with the candidate's settings")
+
+
 def decide(cand: Evidence, champion: Evidence | None, refs: dict[str, Evidence], best: dict[str, float], t: Thresholds) -> Decision:
     """Every check of the module's docstring, on evidence already read (fail-closed reading is the
     caller's); ``best``: the best champion's success per split under these conditions (may be empty)."""
+    check_reference_conditions(cand, refs)
     seen, unseen = cand.rate("valid_seen"), cand.rate("valid_unseen")
     checks = [Check("seen_success", seen, ">=", t.min_seen, seen >= t.min_seen - 1e-12),
               Check("unseen_success", unseen, ">=", t.min_unseen, unseen >= t.min_unseen - 1e-12)]
@@ -459,12 +485,13 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
     is decided again on the champion it saw, not re-registered; a complete one is returned as reused."""
     from mlflow.exceptions import MlflowException
 
-    if model_digest:
-        from evoharness.training.checkpoint import weights_digest
+    if not model_digest:
+        raise EvoError(f"promotion: the candidate's evaluation names no model_digest, so nothing binds it to {model_dir}; re-run evaluate")
+    from evoharness.training.checkpoint import weights_digest
 
-        here = weights_digest(model_dir)
-        if here != model_digest:
-            raise EvoError(f"promotion: {model_dir} holds weights {here}, but evaluation loaded {model_digest}; re-run evaluate")
+    here = weights_digest(model_dir)
+    if here != model_digest:
+        raise EvoError(f"promotion: {model_dir} holds weights {here}, but evaluation loaded {model_digest}; re-run evaluate")
     try:
         c.get_registered_model(name)
     except MlflowException as e:

@@ -2,8 +2,9 @@
 machine from its hashes.
 
 The record is a commit on top of the code commit the retrain started from, holding that run's
-``dvc.lock``, ``params.yaml``, the metrics and plots DVC does not cache, and any tracked file that was
-modified: made with a private index, so the user's branch and working tree stay as they are. Its tag
+``dvc.lock``, ``dvc.yaml``, ``params.yaml``, the metrics and plots DVC does not cache and the code its
+stages ran, nothing else (a settings or result file holding a credential is refused): made with a
+private index, so the user's branch and working tree stay as they are. Its tag
 ``retrain/<MLflow run id>`` is pushed to origin when origin is a network one, and the run's data is on
 the DVC remote (the retrain pushed it). The MLflow run names the tag (``git_ref``).
 
@@ -64,8 +65,7 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
 
     try:
         head = g("rev-parse", "HEAD")
-        g("read-tree", "HEAD")
-        g("add", "-u")  # tracked files as they were when the stages ran
+        g("read-tree", "HEAD")  # the code commit as it is; of the working tree, only the run's own files below
         stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
         paths = ["dvc.lock", "dvc.yaml", "params.yaml"]
         for st in stages.values():
@@ -79,7 +79,9 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
                 d = d if isinstance(d, str) else next(iter(d))
                 if not d.startswith("data/"):
                     paths.append(d)  # code a stage ran, even if not yet committed
-        g("add", "--", *[p for p in dict.fromkeys(paths) if (root / p).exists()])
+        paths = [p for p in dict.fromkeys(paths) if (root / p).exists()]
+        check_no_credentials(root, paths)
+        g("add", "--", *paths)
         tree = g("write-tree")
         commit = g("commit-tree", tree, "-p", head, "-m", message)
     finally:
@@ -87,6 +89,31 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
     git(["tag", tag, commit], root)  # never -f: a record does not move
     _push_record(root, tag, commit, push, echo)
     return tag, commit
+
+
+# The record's files a credential could be pasted into (settings, locks, metrics); code is reviewed as code.
+_DATA_SUFFIXES = (".yaml", ".yml", ".lock", ".json", ".jsonl", ".csv", ".tsv", ".txt", ".md", ".toml", ".cfg", ".ini")
+
+
+def check_no_credentials(root: Path, paths: list[str]) -> None:
+    """Refuse, in one line naming the file and line, to record a settings or result file that holds a credential
+    (what ``redact`` would hide: a URL's password, a signed query, a token header, a secret-named setting)."""
+    from evoharness.secrets import redact
+
+    for p in paths:
+        q = root / p
+        files = sorted(f for f in q.rglob("*") if f.is_file()) if q.is_dir() else [q]
+        for f in files:
+            if f.name != "dvc.lock" and not f.name.endswith(_DATA_SUFFIXES):
+                continue
+            try:
+                text = f.read_text()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if redact(text) != text:
+                n = next(i for i, line in enumerate(text.splitlines(), 1) if redact(line) != line)
+                raise EvoError(f"recording the run in git: {f.relative_to(root)} line {n} holds a credential; "
+                               "move it to an environment variable or a secret store (nothing was recorded)")
 
 
 def _push_record(root: Path, tag: str, commit: str, push: bool, echo) -> None:

@@ -44,6 +44,11 @@ def preflight(root: Path, params_path: str, pool: str | None = None, echo=None):
     if not (root / "dvc.yaml").exists():
         raise EvoError(f"{root} has no dvc.yaml: run retrain from the project root (or pass root=)")
     pf.check_git()
+    given = (root / params_path).resolve()
+    if given != (root / "params.yaml").resolve():
+        # dvc.yaml's stages read params.yaml and the record commits it: another file would reach the flow only
+        raise EvoError(f"params {params_path}: the stages read {root / 'params.yaml'} (dvc.yaml) and the git record commits it; "
+                       "put these settings in params.yaml (DVC reruns the stages they change)")
     p = load_params(str(root / params_path))
     load_profile(p.profile, root / params_path)
     pp, _ = promotion.load_promotion(root / params_path, p.profile)

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,6 +75,31 @@ def test_fresh_clone_plus_pull_restores_the_data(repo, tmp_path):
         assert (clone / p).read_bytes() == (repo / p).read_bytes(), p
     status = dvc(["status", *DATA], clone)
     assert "up to date" in status
+
+
+def test_a_remote_object_whose_bytes_changed_fails_the_pull_and_never_reaches_the_workspace(repo, tmp_path):
+    """Whoever can write to the remote cannot swap a file's content under its hash: every pull re-hashes
+    (DVC's remote ``verify``, set in config.local by the first pull of a checkout)."""
+    remote = Path(dvc(["remote", "list", "--local"], repo).split()[1])
+    tree = next(o["md5"] for o in parse_lock((repo / "dvc.lock").read_text())["demos"]["outs"] if o["path"] == "data/demos")
+    manifest = json.loads((remote / "files" / "md5" / tree[:2] / tree[2:]).read_text())
+    md5 = next(e["md5"] for e in manifest if e["relpath"] == "demos.jsonl")
+    obj = remote / "files" / "md5" / md5[:2] / md5[2:]
+    original = obj.read_bytes()
+    clone = tmp_path / "tampered"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    ensure_remote(clone, str(remote))
+    obj.chmod(0o644)
+    obj.write_bytes(original.replace(b'"won"', b'"WON"', 1))
+    try:
+        with pytest.raises(EvoError, match=r"^dvc pull data/demos/demos.jsonl failed in .*tampered"):
+            dvc(["pull", "data/demos/demos.jsonl"], clone)
+    finally:
+        obj.write_bytes(original)
+    assert not (clone / "data" / "demos" / "demos.jsonl").exists()
+    assert "verify = True" in (clone / ".dvc" / "config.local").read_text()
+    dvc(["pull", "data/demos/demos.jsonl"], clone)  # the object restored: the same pull goes through
+    assert (clone / "data" / "demos" / "demos.jsonl").read_bytes() == (repo / "data" / "demos" / "demos.jsonl").read_bytes()
 
 
 def test_reproduce_by_hash_reports_identical_hashes(repo):

@@ -49,6 +49,23 @@ def test_the_record_commits_as_evoharness_without_an_identity_and_as_the_user_wi
     assert _author(repo, tag) == "Ada Lovelace <ada@example.com> / Ada Lovelace <ada@example.com>"
 
 
+def test_the_record_holds_the_runs_own_files_and_refuses_a_credential(tmp_path):
+    """A modified tracked file the run did not make (a password added to .dvc/config, a README edit) is not
+    committed by the record; a credential pasted into a file the record holds stops it in one line."""
+    repo = make_project(tmp_path, MICRO)
+    (repo / ".dvc" / "config").write_text((repo / ".dvc" / "config").read_text() + "['remote \"s\"']\n    password = hunter2\n")
+    (repo / "README.md").write_text("edited, not by the run\n")
+    (repo / "params.yaml").write_text((repo / "params.yaml").read_text() + "\n# tuned by hand\n")
+    tag, rec = record_run(repo, "run-own", "retrain run-own", push=False, echo=lambda _m: None)
+    changed = git(["diff", "--name-only", f"{rec}^", rec], repo).split()
+    assert changed == ["params.yaml"] and "hunter2" not in git(["show", f"{rec}:.dvc/config"], repo)
+    (repo / "params.yaml").write_text((repo / "params.yaml").read_text() + "chat_url: https://me:hunter2@llm.example/v1\n")
+    tags_before = git(["tag"], repo)
+    with pytest.raises(EvoError, match=r"^recording the run in git: params.yaml line \d+ holds a credential; .*nothing was recorded"):
+        record_run(repo, "run-cred", "retrain run-cred", push=False, echo=lambda _m: None)
+    assert git(["tag"], repo) == tags_before
+
+
 def test_a_record_commit_is_checked_without_leaving_a_ref(tmp_path):
     repo = make_project(tmp_path, MICRO)
     refs_before = git(["for-each-ref"], repo)

@@ -16,6 +16,7 @@ import pytest
 from evoharness import promotion, tracking
 from evoharness.errors import EvoError
 from evoharness.promotion import Evidence, Thresholds, decide
+from evoharness.training.checkpoint import weights_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 T = Thresholds(min_seen=0.3, min_unseen=0.2, tolerance=0.05, max_errored=0.1, alpha=0.05, must_beat=["sft-inline", "random"])
@@ -36,8 +37,9 @@ def ev(label: str, seen_wins: int, unseen_wins: int, errored: int = 0, cond: dic
     return Evidence(label, summary, outcomes, errored, dict(cond or COND))
 
 
-def refs(sft=(12, 6), rnd=(0, 0)) -> dict:
-    return {"sft-inline": ev("sft-inline", *sft), "random": ev("random", *rnd)}
+def refs(sft=(12, 6), rnd=(0, 0), cond: dict | None = None) -> dict:
+    scripted = {**(cond or COND), "decoding": "n/a", "sampling": "n/a", "max_new_tokens": "n/a"}  # the random policy decodes nothing
+    return {"sft-inline": ev("sft-inline", *sft, cond=cond), "random": ev("random", *rnd, cond=scripted)}
 
 
 def test_the_checks_thresholds_errors_baselines_champion_and_floor():
@@ -69,8 +71,16 @@ def test_the_checks_thresholds_errors_baselines_champion_and_floor():
     d = decide(ev("c", 18, 15), champ, refs(), {}, T)
     assert not d.promoted and d.reasons[0].startswith("seen success regresses against the champion (p = 0.000 < 0.05; McNemar exact")
     # Other games, step limits or decoding: not compared, the difference named.
-    d = decide(ev("c", 40, 30, cond={**COND, "max_steps": "50"}), champ, refs(), {}, T)
+    d = decide(ev("c", 40, 30, cond={**COND, "max_steps": "50"}), champ, refs(cond={**COND, "max_steps": "50"}), {}, T)
     assert not d.promoted and "champion evaluated under other conditions: max_steps 30 (champion) vs 50" in d.reasons[0]
+    # A baseline the candidate must beat shares its games, seeds, budgets and harness (and decoding, model to model),
+    # or the gate decides nothing.
+    with pytest.raises(EvoError, match=r"^promotion: sft-inline was evaluated under other conditions than the candidate \(max_steps 30 vs 50\)"):
+        decide(ev("c", 40, 30, cond={**COND, "max_steps": "50"}), champ, refs(), {}, T)
+    with pytest.raises(EvoError, match=r"sft-inline .* \(decoding greedy vs constrained\)"):
+        decide(ev("c", 40, 30), None, refs(cond={**COND, "decoding": "greedy"}) | {"random": refs()["random"]}, {}, T)
+    with pytest.raises(EvoError, match=r"random .* \(seeds 0,1 vs 0\)"):
+        decide(ev("c", 40, 30), None, {**refs(), "random": ev("random", 0, 0, cond={**COND, "seeds": "0,1", "decoding": "n/a"})}, {}, T)
     # The floor: never below the best champion so far minus the tolerance.
     d = decide(ev("c", 24, 15, shift=10), champ, refs(), {"valid_seen": 0.6, "valid_unseen": 0.25}, T)
     assert not d.promoted and d.reasons == ["seen success 40.0% is below the floor 55.0% (best champion so far 60.0% minus 5.0%)"]
@@ -125,8 +135,9 @@ def store(mlflow_store, tmp_path):
 
     def candidate(i, cand, client=None, md5=None, t=T, r=None):
         run = c.create_run(exp, run_name=f"promote-{i}")
-        return promotion.gate(client or c, name, run.info.run_id, _model(tmp_path, i) if md5 is None else tmp_path / f"model{md5}",
-                              f"md5-{md5 or i}", cand, r or refs(), t, CURVE, tmp_path / f"report{i}")
+        model = _model(tmp_path, i) if md5 is None else tmp_path / f"model{md5}"
+        return promotion.gate(client or c, name, run.info.run_id, model, f"md5-{md5 or i}", cand, r or refs(), t, CURVE,
+                              tmp_path / f"report{i}", model_digest=weights_digest(model))
 
     def champion():
         return str(c.get_model_version_by_alias(name, "champion").version)
@@ -224,12 +235,12 @@ def test_no_alias_moves_before_the_runs_git_record_exists(store, tmp_path):
     model = _model(tmp_path, 2)
     with pytest.raises(EvoError, match="the origin went away"):
         promotion.gate(c, name, run.info.run_id, model, "md5-2", ev("grpo-inline", 30, 16), refs(), T, CURVE,
-                       tmp_path / "report2", record=failing)
+                       tmp_path / "report2", model_digest=weights_digest(model), record=failing)
     assert seen == [("2", "promoted", "pending")]  # decided and tagged before the record was asked for
     assert champion() == "1" and str(c.get_model_version_by_alias(name, "challenger").version) == "1"
     assert c.get_model_version(name, "2").tags["decision.state"] == "pending" and "git_ref" not in c.get_model_version(name, "2").tags
     d = promotion.gate(c, name, run.info.run_id, model, "md5-2", ev("grpo-inline", 30, 16), refs(), T, CURVE,
-                       tmp_path / "report2", record=lambda d: "retrain/run-2")
+                       tmp_path / "report2", model_digest=weights_digest(model), record=lambda d: "retrain/run-2")
     assert d.promoted and d.version == "2" and champion() == "2"
     tags = c.get_model_version(name, "2").tags
     assert tags["decision.state"] == "complete" and tags["git_ref"] == "retrain/run-2" and len(c.search_model_versions(f"name='{name}'")) == 2
@@ -311,8 +322,9 @@ def test_a_champion_moved_by_another_retrain_is_never_overwritten_by_a_decision_
     ds = []
     for i, (seen, unseen) in ((1, (24, 15)), (2, (30, 16))):
         run = c.create_run(exp, run_name=f"promote-{i}")
-        ds.append(promotion.register(c, name, run.info.run_id, _model(tmp_path, i), f"md5-{i}", ev("grpo-inline", seen, unseen),
-                                     refs(), T, CURVE, tmp_path / f"report{i}"))
+        m = _model(tmp_path, i)
+        ds.append(promotion.register(c, name, run.info.run_id, m, f"md5-{i}", ev("grpo-inline", seen, unseen),
+                                     refs(), T, CURVE, tmp_path / f"report{i}", model_digest=weights_digest(m)))
     assert [d.champion_version for d in ds] == [None, None] and all(d.promoted for d in ds)
     promotion.finalize(c, name, ds[0], "retrain/run-1")
     assert champion() == "1"
@@ -327,5 +339,26 @@ def test_a_champion_moved_by_another_retrain_is_never_overwritten_by_a_decision_
     assert c.get_model_version(name, "2").tags["decision.champion_before"] == "1"
     # A later candidate is compared with the new champion.
     run = c.create_run(exp, run_name="promote-4")
-    d4 = promotion.register(c, name, run.info.run_id, _model(tmp_path, 4), "md5-4", ev("grpo-inline", 28, 16), refs(), T, CURVE, tmp_path / "report4")
+    m4 = _model(tmp_path, 4)
+    d4 = promotion.register(c, name, run.info.run_id, m4, "md5-4", ev("grpo-inline", 28, 16), refs(), T, CURVE, tmp_path / "report4",
+                            model_digest=weights_digest(m4))
     assert d4.champion_version == "2"
+
+
+def test_a_summary_that_contradicts_its_episodes_or_a_candidate_without_a_digest_is_refused(store, tmp_path):
+    """The thresholds read results.json's summary and the paired tests read episodes.jsonl: the gate takes them
+    only when they are one evaluation; and only evidence bound to the weights (their digest) promotes anything."""
+    d = tmp_path / "valid_seen"
+    d.mkdir()
+    res = {"policy": "hf:m", "policy_fingerprint": "hf:v3:abc:False:1.0:32:constrained", "split": ["valid_seen"], "seeds": [0], "games": 2,
+           "episode_config": {"max_steps": 40, "max_turns": 80, "harness": {"mode": "inline", "charge_meta_actions": False}},
+           "summary": {"all": {"success": 1.0, "episodes": 2, "wins": 2}}}  # the summary claims both won
+    (d / "results.json").write_text(json.dumps(res))
+    (d / "episodes.jsonl").write_text("".join(json.dumps({"game_id": f"valid_seen/g{i}", "seed": 0, "outcome": {"won": i == 0}}) + "\n" for i in range(2)))
+    with pytest.raises(EvoError, match=r"results.json says 2 wins of 2 \(success 1.0\) but .*episodes.jsonl holds 1 wins of 2: the evidence contradicts itself"):
+        promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+    c, name, _candidate, _champion = store
+    run = c.create_run(tracking.experiment_id(c, tmp_path), run_name="promote-nodigest")
+    with pytest.raises(EvoError, match=r"names no model_digest, so nothing binds it to .*model7"):
+        promotion.register(c, name, run.info.run_id, _model(tmp_path, 7), "md5-7", ev("grpo-inline", 30, 16), refs(), T, CURVE, tmp_path / "r7")
+    assert not c.search_model_versions(f"name='{name}'")  # nothing registered
