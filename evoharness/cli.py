@@ -79,8 +79,8 @@ def games(
         bar.update(kept - state.get(key, 0))
         state[key] = kept
 
-    summary = generate(out, cfg, progress)
-    bar.close()
+    with bar:  # closed (its line ended) before an error line is written
+        summary = generate(out, cfg, progress)
     if metrics:
         _write_json(metrics, {split: {f: {k: v[k] for k in ("kept", "rejected", "shared_skipped") if k in v} for f, v in fams.items()}
                               for split, fams in summary["splits"].items() if counts.get(split)})
@@ -155,9 +155,8 @@ def collect(
     if nd < 1:
         raise EvoError(f"collect: the number of demos must be at least 1 (got {nd} from {'--n' if n is not None else params + ': demos.n'}); nothing was written")
     spec = PolicySpec(kind="teacher", noise=p.demos.noise if noise is None else noise)
-    bar = _bar(nd, "demos")
-    s = run_collect(list_games(games_root, "train"), spec, _episode_cfg(p, mode), nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
-    bar.close()
+    with _bar(nd, "demos") as bar:
+        s = run_collect(list_games(games_root, "train"), spec, _episode_cfg(p, mode), nd, out, p.demos.batch_size, p.workers, p.seed, progress=lambda r: bar.update(1))
     if metrics:
         _write_json(metrics, {"demos": s["demos"], "won": s["won"], "errored": s["errored"], "bank_entries": s["bank_entries"],
                               "by_family": {f: {"success": v["success"], "steps": v["steps"], "calls": v["calls"]} for f, v in s["by_family"].items()}})
@@ -194,9 +193,8 @@ def evaluate(
     gs = list_games(games_root, split)
     label = f"{spec.kind}-{cfg.harness.mode}-{split}"
     out = out or Path("data/eval") / label
-    bar = _bar(len(gs) * len(seed_list), label)
-    r = run_eval(gs, spec, cfg, seed_list, out, p.workers, Experience.load_or_seed(bank), progress=lambda rec: bar.update(1))
-    bar.close()
+    with _bar(len(gs) * len(seed_list), label) as bar:
+        r = run_eval(gs, spec, cfg, seed_list, out, p.workers, Experience.load_or_seed(bank), progress=lambda rec: bar.update(1))
     typer.echo(format_table(f"{label} ({r['played']} played, {r['reused']} reused)", r["summary"]))
 
 
@@ -529,9 +527,12 @@ def promotions(
     import yaml
 
     from evoharness import promotion, tracking
+    from evoharness.config import load_params
+    from evoharness.secrets import redact
 
     if limit < 1:
         raise EvoError(f"promotions: --limit must be at least 1 (got {limit})")
+    load_params(params)  # a params file that is not one: one line
     raw = (yaml.safe_load(Path(params).read_text()) or {}).get("promotion", {}) if Path(params).exists() else {}
     prefix = model or raw.get("model_name", "evoharness-agent")
     promotion.check_model_name(prefix)

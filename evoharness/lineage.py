@@ -190,6 +190,25 @@ def check_shared(root: Path, what: str) -> tuple[str, str, str]:
     return origin, commit, name
 
 
+def check_remote_url(url: str, what: str) -> None:
+    """A remote URL DVC would take and fail on later: a scheme DVC does not know, a port that is not a number,
+    no host. One line naming it (redacted)."""
+    if "://" not in url:
+        return
+    from urllib.parse import urlsplit
+
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in NETWORK_SCHEMES + ("file",):
+        raise EvoError(f"{what} ({redact(url)}): DVC has no remote of kind {scheme!r} (known: {', '.join(NETWORK_SCHEMES)})")
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        raise EvoError(f"{what} ({redact(url)}) has a port that is not a number from 1 to 65535") from None
+    if scheme != "file" and not parts.hostname:
+        raise EvoError(f"{what} ({redact(url)}) names no host (or bucket)")
+
+
 def check_remote(root: Path) -> None:
     """DVC reports an unreachable HTTP or missing local remote as 'everything is up to date';
     check what can be checked without credentials and say so in one line."""
@@ -197,6 +216,7 @@ def check_remote(root: Path) -> None:
     if found is None:
         raise EvoError(f"no DVC remote is configured for {root} (no default remote set); set one with `evoharness remote --url PATH_OR_URL`")
     name, url = found
+    check_remote_url(url, f"DVC remote {name!r}")
     if "://" not in url:
         path = Path(url) if Path(url).is_absolute() else (Path(root) / ".dvc" / url)
         if not path.is_dir():
@@ -408,6 +428,7 @@ def ensure_remote(root: Path, url: str | None = None) -> str:
     if found and url is None:
         return found[0]
     target = url or os.environ.get("EVOHARNESS_DVC_REMOTE") or str(DEFAULT_REMOTE)
+    check_remote_url(target, "the DVC remote")
     if "://" not in target:
         try:
             Path(target).mkdir(parents=True, exist_ok=True)
@@ -434,12 +455,32 @@ class Out:
     kind: str  # "out" or "dep"
 
 
-def parse_lock(text: str) -> dict:
+def parse_lock(text: str, where: str | Path = "dvc.lock") -> dict:
+    """dvc.lock's stages, its shape checked (DVC's own: stages of deps and outs, each a path with its hash):
+    a file of another shape is one line naming it, never a traceback further on."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise EvoError(f"dvc.lock is not valid YAML ({e})") from None
-    return data.get("stages", {})
+        raise EvoError(f"{where} is not valid YAML ({' '.join(str(e).split())})") from None
+
+    def bad(why: str) -> EvoError:
+        return EvoError(f"{where} is not a DVC lock file ({why}); restore it with `git checkout -- dvc.lock`")
+
+    if not isinstance(data, dict):
+        raise bad(f"{type(data).__name__} at the top level, not a mapping")
+    stages = data.get("stages") or {}
+    if not isinstance(stages, dict):
+        raise bad(f"stages is {type(stages).__name__}, not a mapping")
+    for name, st in stages.items():
+        if not isinstance(st, dict):
+            raise bad(f"stage {str(name)[:60]!r} is {type(st).__name__}, not a mapping")
+        for kind in ("deps", "outs"):
+            items = st.get(kind) or []
+            if not isinstance(items, list) or not all(isinstance(o, dict) and isinstance(o.get("path"), str) for o in items):
+                raise bad(f"stage {str(name)[:60]!r} has {kind} that are not a list of paths")
+        if not isinstance(st.get("params") or {}, dict):
+            raise bad(f"stage {str(name)[:60]!r} has params that are not a mapping")
+    return stages
 
 
 def lock_outs(stages: dict) -> list[Out]:
@@ -477,7 +518,7 @@ def lineage(target: str, root: Path, echo=print) -> dict:
     lock_path = root / "dvc.lock"
     if not lock_path.exists():
         raise EvoError(f"{lock_path} does not exist: run the pipeline first")
-    stages = parse_lock(lock_path.read_text())
+    stages = parse_lock(lock_path.read_text(), lock_path)
     commit = None
     t = target.rstrip("/")
     cand, cwd = Path(t), Path.cwd().resolve()

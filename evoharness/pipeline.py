@@ -13,6 +13,7 @@ from evoharness.envpool import EnvPool
 from evoharness.evaluate import evaluate, format_table
 from evoharness.harness.experience import Experience
 from evoharness.policies import parse_policy
+from evoharness.policies.spec import policy_label
 
 
 def baselines(params_path: str, games_root: Path, bank_path: Path, out: Path, echo: Callable[[str], None] = print) -> dict:
@@ -24,7 +25,7 @@ def baselines(params_path: str, games_root: Path, bank_path: Path, out: Path, ec
         for split in ("valid_seen", "valid_unseen"):
             games = list_games(games_root, split)
             for pol in p.eval.baselines:
-                label = f"{pol}-{p.episode.harness.mode}-{split}"
+                label = f"{policy_label(pol)}-{p.episode.harness.mode}-{split}"
                 r = evaluate(games, parse_policy(pol), p.episode, list(p.eval.seeds), Path(out) / label, p.workers, bank, pool=pool)
                 results[label] = r["summary"]
                 echo(format_table(label, r["summary"]))

@@ -89,14 +89,15 @@ def lock_entry(root: Path, stage: str) -> dict:
     p = Path(root) / "dvc.lock"
     if not p.exists():
         return {}
-    return parse_lock(p.read_text()).get(stage, {})
+    return parse_lock(p.read_text(), p).get(stage, {})
 
 
 def merge_lock_entry(root: Path, stage: str, entry: dict) -> None:
     p = Path(root) / "dvc.lock"
+    parse_lock(p.read_text(), p) if p.exists() else None  # a dvc.lock of another shape is refused, never merged into
     data = yaml.safe_load(p.read_text()) if p.exists() else None
     data = data or {"schema": "2.0", "stages": {}}
-    data.setdefault("stages", {})
+    data["stages"] = data.get("stages") or {}
     names = stages(root)
     data["stages"][stage] = entry
     data["stages"] = {k: data["stages"][k] for k in sorted(data["stages"], key=lambda s: names.index(s) if s in names else len(names))}
@@ -155,7 +156,7 @@ def producers(root: Path, stage: str) -> list[str]:
 
 def upstream(root: Path, stage: str) -> list[str]:
     """Stages whose outputs are this stage's deps, each of which must have its dvc.lock entry already."""
-    lock = parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}
+    lock = parse_lock((Path(root) / "dvc.lock").read_text(), Path(root) / "dvc.lock") if (Path(root) / "dvc.lock").exists() else {}
     found = producers(root, stage)
     for name in found:
         if name not in lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -52,7 +53,8 @@ def check_tracking(uri: str) -> None:
         except ValueError:
             raise EvoError(f"MLflow tracking URI {shown} has a port that is not a number (MLFLOW_TRACKING_URI)") from None
         bare = urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{port}" if port else "")))
-        req = urllib.request.Request(bare.rstrip("/") + "/health")
+        # an API call, not /health: the server's auth (basic-auth app, a proxy) guards the API and leaves /health open
+        req = urllib.request.Request(bare.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
         user, password = parts.username or os.environ.get("MLFLOW_TRACKING_USERNAME"), parts.password or os.environ.get("MLFLOW_TRACKING_PASSWORD")
         if user:
             from urllib.parse import unquote
@@ -63,9 +65,9 @@ def check_tracking(uri: str) -> None:
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 if r.status != 200:
-                    raise EvoError(f"MLflow tracking server {shown} answered {r.status} on /health (MLFLOW_TRACKING_URI)")
+                    raise EvoError(f"MLflow tracking server {shown} answered {r.status} to an API call (MLFLOW_TRACKING_URI)")
         except urllib.error.HTTPError as e:
-            raise EvoError(f"MLflow tracking server {shown} answered {e.code} on /health (MLFLOW_TRACKING_URI; credentials: "
+            raise EvoError(f"MLflow tracking server {shown} answered {e.code} to an API call (MLFLOW_TRACKING_URI; credentials: "
                            "MLFLOW_TRACKING_USERNAME/PASSWORD or TOKEN)") from None
         except (urllib.error.URLError, OSError) as e:
             reason = redact(str(getattr(e, "reason", e)))
@@ -74,6 +76,12 @@ def check_tracking(uri: str) -> None:
         folder = Path(uri.removeprefix("sqlite:///")).parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise EvoError(f"MLflow sqlite store {uri}: folder {folder} does not exist or is not writable")
+        db = Path(uri.removeprefix("sqlite:///"))
+        if db.is_file() and db.stat().st_size:
+            with open(db, "rb") as f:
+                if f.read(16) != b"SQLite format 3\x00":
+                    raise EvoError(f"MLflow sqlite store {db} is not an SQLite database; move it aside (a fresh store is made) "
+                                   "or restore it from a backup")
     elif uri.startswith("databricks"):
         return  # MLflow's own error names it
     elif "://" in uri:  # a database store: its driver must be installed (else a traceback deep in SQLAlchemy)
@@ -131,7 +139,8 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
         out[prefix] = d
     from evoharness.secrets import redact
 
-    return {k: (redact(v) if isinstance(v, str) else v) for k, v in out.items() if not _secret(k)}
+    # keys too: a key made from text (a policy spec, a URL) may carry what a value would
+    return {redact(k): (redact(v) if isinstance(v, str) else v) for k, v in out.items() if not _secret(k)}
 
 
 def numeric(d: dict) -> dict[str, float]:
@@ -141,7 +150,7 @@ def numeric(d: dict) -> dict[str, float]:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         if math.isfinite(v):
-            out[k.replace(":", "_")] = float(v)
+            out[re.sub(r"[^A-Za-z0-9_\-. /]", "_", k)] = float(v)  # the characters MLflow takes in a metric name
     return out
 
 

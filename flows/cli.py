@@ -32,6 +32,11 @@ def run(
 
     check_git()
     root = repo_root(Path.cwd())
+    if Path(params).resolve() != (root / "params.yaml").resolve():  # before any server starts (the flow's preflight says the same)
+        from evoharness.errors import EvoError
+
+        raise EvoError(f"--params {params}: the stages read {root / 'params.yaml'} (dvc.yaml) and the git record commits it; "
+                       "put these settings in params.yaml (DVC reruns the stages they change)")
     api = check_prefect(required=bool(pool))  # a pool's workers reach the same server: ephemeral mode cannot dispatch
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     if api is None:  # ephemeral mode keeps its database there: a fresh HOME has none yet, an unwritable one is refused here
@@ -39,7 +44,7 @@ def run(
     typer.echo(f"Prefect: {api or f'ephemeral mode (a local server for this run, database in {home})'}")
     from flows.retrain import retrain
 
-    res = retrain(root=str(root), params=params, pool=pool)
+    res = retrain(root=str(root), params="params.yaml", pool=pool)
     print_results(root, res, api, echo=typer.echo)
 
 

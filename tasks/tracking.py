@@ -164,6 +164,7 @@ def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
     baselines stages."""
     from evoharness import promotion
     from evoharness.config import load_params
+    from evoharness.policies.spec import policy_label
 
     mode = load_params(str(rootp / params_path)).episode.harness.mode
     evald, based = rootp / "data" / "eval", rootp / "data" / "baselines"
@@ -171,7 +172,7 @@ def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
     def dirs(label: str) -> dict[str, Path]:
         if (evald / label).is_dir():
             return {s: evald / label / s for s in promotion.SPLITS}
-        return {s: based / f"{label}-{mode}-{s}" for s in promotion.SPLITS}
+        return {s: based / f"{policy_label(label)}-{mode}-{s}" for s in promotion.SPLITS}
 
     cand = promotion.evidence_from_dirs(promotion.CANDIDATE, dirs(promotion.CANDIDATE), games_md5)
     refs = {label: promotion.evidence_from_dirs(label, dirs(label), games_md5) for label in dict.fromkeys([*t.must_beat, *t.no_regression])}

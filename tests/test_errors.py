@@ -174,6 +174,23 @@ def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_pa
         assert _Chat.seen[0][0] == "Bearer sk-secret-123" and _Chat.seen[0][1]["model"] == "m1"
         written = (tmp_path / "ev" / "episodes.jsonl").read_text() + (tmp_path / "ev" / "results.json").read_text()
         assert "sk-secret" not in written
+        # The same endpoint as a baseline of the baselines stage, its URL holding a password: the spec names no
+        # folder, no summary key, no metric (the folder is kind-model-hash).
+        from evoharness.pipeline import baselines
+        from evoharness.policies.spec import policy_label
+        from evoharness.tracking import flatten, numeric
+
+        spec = f"chat:base_url=http://evo:hunter2-pw@127.0.0.1:{srv.server_port}/v1,model=m1,api_key_env=EVO_TEST_KEY,max_new_tokens=32"
+        (tmp_path / "p.yaml").write_text(f"workers: 1\nepisode: {{max_steps: 2}}\neval: {{seeds: [0], baselines: ['{spec}', random]}}\n")
+        from evoharness.harness.experience import Experience
+
+        Experience.seeded().save(tmp_path / "bank.json")
+        res = baselines(str(tmp_path / "p.yaml"), games_root, tmp_path / "bank.json", tmp_path / "bl", echo=lambda _m: None)
+        label = policy_label(spec)
+        assert re.fullmatch(r"chat-m1-[0-9a-f]{8}", label) and f"{label}-inline-valid_seen" in res and "random-inline-valid_unseen" in res
+        names = [str(q.relative_to(tmp_path / "bl")) for q in (tmp_path / "bl").rglob("*")]
+        assert not any("hunter2" in n for n in names) and "hunter2" not in (tmp_path / "bl" / "summary.json").read_text()
+        assert not any("hunter2" in k for k in [*flatten({spec: 1}), *numeric({spec: {"success": 0.5}})])
     finally:
         srv.shutdown()
     with pytest.raises(PolicyError, match=r"chat endpoint http://127.0.0.1:9/v1/chat/completions unreachable"):
@@ -309,3 +326,91 @@ def test_a_model_name_that_could_end_mlflows_filter_quote_is_one_line_and_create
     lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and lines == ["error: model name \"x'\": a registered model name holds letters, digits, '.', '_', '-', '/' and spaces only"], lines
     assert list(tmp_path.iterdir()) == []  # no tracking store was created for it
+
+
+def _tree_hash(paths) -> dict:
+    import hashlib
+    from pathlib import Path
+
+    out = {}
+    for p in map(Path, paths):
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.exists() else []
+        for f in files:
+            out[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def test_every_command_given_bad_input_says_one_line_exits_2_and_changes_nothing(games_root, mlflow_template, tmp_path):
+    """Commands x bad inputs on a project holding data, models, a tracking store and a dvc.lock: each gives one
+    `error:` line naming what and where, exits 2, and leaves data/, models/, mlflow.db and dvc.lock byte for byte."""
+    import os
+    import re
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    from project import MICRO, make_project
+
+    proj = make_project(tmp_path / "p", MICRO)
+    shutil.copytree(games_root, proj / "data" / "games")
+    (proj / "data" / "demos").mkdir(parents=True)
+    (proj / "data" / "demos" / "demos.jsonl").write_text('{"kept": true}\n')
+    (proj / "models" / "m").mkdir(parents=True)
+    (proj / "models" / "m" / "config.json").write_text("{garbage")  # a corrupt checkpoint
+    torn = proj / "models" / "torn"
+    torn.mkdir()
+    (torn / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32, "head_dim": 8}))
+    (torn / "model.safetensors").write_bytes(os.urandom(100))
+    shutil.copy(mlflow_template, proj / "mlflow.db")
+    shutil.copy(Path(__file__).resolve().parents[1] / "dvc.lock", proj / "dvc.lock")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    bad = dict(MICRO, episode={"max_steps": -5})
+    (tmp_path / "neg.yaml").write_text(yaml.safe_dump(bad))
+    game = next(p for p in (proj / "data" / "games" / "valid_seen").glob("*/*") if p.is_dir())
+    ev = ["evaluate", "--games", "data/games", "--split", "valid_seen", "--out", "data/eval/x"]
+
+    def plant(name: str, text: str):
+        def do():
+            saved = (proj / name).read_bytes()
+            (proj / name).write_text(text)
+            return lambda: (proj / name).write_bytes(saved)
+        return do
+
+    cases = [  # (args, what the line says, a file planted for the case)
+        (["games", "--params", str(tmp_path / "adir")], r"params file .*adir: cannot be read \(Is a directory\)", None),
+        (["games", "--params", str(tmp_path / "list.yaml")], r".*list\.yaml: expected a mapping at the top level, got list", None),
+        (["games", "--params", str(tmp_path / "nope.yaml")], r"params file .*nope\.yaml does not exist", None),
+        (["collect", "--out", "data/demos", "--n", "-3"], r"collect: the number of demos must be at least 1 \(got -3 from --n\)", None),
+        (["collect", "--out", "data/demos", "--params", str(tmp_path / "neg.yaml")], r".*neg\.yaml: episode\.max_steps: .*greater than or equal to 1", None),
+        (["promotions", "--limit", "-1"], r"promotions: --limit must be at least 1 \(got -1\)", None),
+        (["promotions", "--model", "x'"], r"model name \"x'\": a registered model name holds", None),
+        (["promotions"], r"MLflow sqlite store .*mlflow\.db is not an SQLite database", plant("mlflow.db", "garbage, not a database")),
+        (["lineage", "data/pairs"], r".*dvc\.lock is not a DVC lock file \(stages is list, not a mapping\)", plant("dvc.lock", "stages: [1, 2]\n")),
+        (["lineage", "data/pairs"], r".*dvc\.lock is not a DVC lock file \(stage 'games' is int", plant("dvc.lock", "schema: '2.0'\nstages:\n  games: 5\n")),
+        (["lineage", "data/pairs"], r".*dvc\.lock is not valid YAML", plant("dvc.lock", "stages: [\n")),
+        ([*ev, "--policy", "hf:path=models/m"], r"hf policy: cannot load the checkpoint models/m \(OSError: .*config", None),
+        ([*ev, "--policy", "hf:path=models/torn"], r"hf policy: cannot load the checkpoint models/torn \(SafetensorError", None),
+        (["play", str(game), "--policy", "hf:path=models/torn"], r"hf policy: cannot load the checkpoint models/torn", None),
+        (["play", str(game), "--policy", "nosuch"], r"unknown policy 'nosuch'", None),
+        ([*ev[:-2], "--out", "data/eval/y", "--policy", "random", "--split", "valid_nope"], r"unknown split 'valid_nope' \(known: train, valid_seen, valid_unseen\)", None),
+        (["remote", "--url", "webdav://dav.example.com:99x/store"], r"the DVC remote \(webdav://dav\.example\.com:99x/store\) has a port that is not a number", None),
+        (["remote", "--url", "ftp://dav.example.com/store"], r"the DVC remote \(ftp://dav\.example\.com/store\): DVC has no remote of kind 'ftp'", None),
+        (["reproduce", "--", "--upload-pack=touch x"], r"'--upload-pack=touch x' is neither a retrain's MLflow run id", None),
+    ]
+    watched = [proj / "data", proj / "models", proj / "mlflow.db", proj / "dvc.lock", proj / ".dvc" / "config", proj / ".dvc" / "config.local"]
+    failures = []
+    for args, want, setup in cases:
+        restore = setup() if setup else None
+        before = _tree_hash(watched)
+        r = subprocess.run(CLI + args, capture_output=True, text=True, cwd=proj, timeout=300, env=dict(os.environ, PYTHONPATH=str(proj)))
+        after = _tree_hash(watched)
+        if restore:
+            restore()
+        lines = [ln for ln in re.sub(r"[^\n]*\r", "", r.stdout + r.stderr).strip().splitlines() if ln.strip() and "ep/s]" not in ln]
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        if r.returncode != 2 or len(lines) != 1 or not re.match("error: " + want, lines[0]) or changed:
+            failures.append(f"{args}: rc {r.returncode}, lines {lines[-3:]}, changed {changed[:3]}")
+    assert not failures, "\n".join(failures)

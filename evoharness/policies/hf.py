@@ -30,8 +30,15 @@ def load(path: str, device: str = "cpu", dtype: str = "float32"):
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+            try:
+                tok = AutoTokenizer.from_pretrained(path)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+            except Exception as e:  # a checkpoint that is not one (safetensors' own error is no OSError)
+                if not isinstance(e, (OSError, ValueError, RuntimeError, KeyError, TypeError)) \
+                        and type(e).__module__.split(".")[0] not in ("safetensors", "tokenizers", "transformers"):
+                    raise
+                why = " ".join(str(e).split())[:200] or type(e).__name__
+                raise PolicyError(f"hf policy: cannot load the checkpoint {path} ({type(e).__name__}: {why}); re-make it or pull it with DVC") from None
             model.eval()
             _MODELS[key] = (tok, model, threading.Lock())
         return _MODELS[key]

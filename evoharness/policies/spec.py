@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+from pathlib import PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -50,6 +53,21 @@ def parse_policy(text: str) -> PolicySpec:
         return PolicySpec(**fields)
     except Exception as e:  # pydantic's message, folded to one line
         raise EvoError(f"policy {text!r}: {str(e).splitlines()[0]}; {' '.join(str(e).splitlines()[1:3])}") from None
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def policy_label(text: str) -> str:
+    """The name a policy's results go under (a folder, a summary key, an MLflow metric): the spec itself when it
+    is a plain name (``teacher``, ``random``), else its kind, its model or checkpoint name and a hash of the
+    whole spec. A spec's options (an endpoint URL with its credentials) never become a name."""
+    if _PLAIN.match(text):
+        return text
+    spec = parse_policy(text)
+    name = spec.model if spec.kind == "chat" else PurePosixPath(spec.path).name if spec.kind == "hf" else ""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40]
+    return "-".join(filter(None, (spec.kind, name, hashlib.sha256(text.encode()).hexdigest()[:8])))
 
 
 def make_policy(spec: PolicySpec):
