@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,7 @@ from evoharness.evaluate import evaluate, format_table
 from evoharness.harness.experience import Experience
 from evoharness.policies import parse_policy
 from evoharness.policies.spec import policy_label
+from evoharness.secrets import redact
 
 
 def baselines(params_path: str, games_root: Path, bank_path: Path, out: Path, echo: Callable[[str], None] = print) -> dict:
@@ -58,7 +60,14 @@ def print_results(root: Path, res: dict, prefect_api: str | None, echo: Callable
     uri = tracking_uri(root)
     if res.get("git_ref"):
         echo(f"git record: {res['git_ref']} ({res['git_record_commit'][:12]}): `evoharness reproduce {res['parent_run_id']}` re-makes it")
-    echo(f"MLflow run {res['parent_run_id']}: `mlflow ui --backend-store-uri {uri}` then http://127.0.0.1:5000 (`evoharness promotions` lists decisions)")
+    if uri.startswith(("http://", "https://")):  # the team's server: its UI, never the credentials in the URI
+        from evoharness.secrets import public_url
+
+        shown = re.sub(r"//[^/@]*@", "//", public_url(uri)).rstrip("/")
+        echo(f"MLflow run {res['parent_run_id']}: {shown}/#/experiments (`evoharness promotions` lists decisions)")
+    else:
+        echo(f"MLflow run {res['parent_run_id']}: `mlflow ui --backend-store-uri {redact(uri)}` then http://127.0.0.1:5000 "
+             "(`evoharness promotions` lists decisions)")
     if prefect_api:
         echo(f"Prefect UI: {prefect_api.removesuffix('/api')}")
     else:

@@ -105,9 +105,25 @@ def client(root: Path | None = None):
     project opened in the same process would silently log into the first one's store."""
     from mlflow import MlflowClient
 
-    uri = tracking_uri(root)
-    check_tracking(uri)
+    uri = client_uri(tracking_uri(root))
     return MlflowClient(tracking_uri=uri, registry_uri=uri if uri.startswith("sqlite:///") else None)
+
+
+def client_uri(uri: str) -> str:
+    """The URI MLflow's client is given, checked first: a server's userinfo (``http://user:password@host``) moves
+    to MLFLOW_TRACKING_USERNAME / PASSWORD (which MLflow reads per request), since MLflow prints its tracking URI
+    in links ("View run ... at") to stdout, which logs and Prefect keep."""
+    check_tracking(uri)
+    if not uri.startswith(("http://", "https://")):
+        return uri
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password or "")
+    return urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else "")))
 
 
 def experiment_id(c, root: Path | None = None, name: str = EXPERIMENT) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,8 +21,18 @@ atexit.register(shutil.rmtree, NEWCOMER_HOME, True)
 (NEWCOMER_HOME / ".gitconfig-empty").write_text("")
 os.environ.update(HOME=str(NEWCOMER_HOME), GIT_CONFIG_GLOBAL=str(NEWCOMER_HOME / ".gitconfig-empty"), GIT_CONFIG_NOSYSTEM="1")
 for _var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL", "PREFECT_PROFILE",
-             "PREFECT_API_URL", "MLFLOW_TRACKING_URI", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+             "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
     os.environ.pop(_var, None)
+
+
+# One secret for the session's credentials (the WebDAV remote's password, the MLflow server's), so that a test can
+# grep every store for it (test_two_hosts' canary).
+CANARY = "canary" + secrets.token_hex(10)
+
+
+@pytest.fixture(scope="session")
+def canary() -> str:
+    return CANARY
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +76,8 @@ class PrefectServer:
     """A real Prefect server (its own home and SQLite database) on one port, which a test may stop and start
     again (a restart: same port, same database)."""
 
-    def __init__(self, home: Path, port: int):
-        self.home, self.port = home, port
+    def __init__(self, home: Path, port: int, auth: str):
+        self.home, self.port, self.auth = home, port, auth
         self.url = f"http://127.0.0.1:{port}/api"
         self.proc = None
 
@@ -77,7 +88,8 @@ class PrefectServer:
         import urllib.request
 
         env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_API_URL=self.url,
-                   PREFECT_SERVER_LOGGING_LEVEL="WARNING", PREFECT_UI_ENABLED="false")
+                   PREFECT_SERVER_LOGGING_LEVEL="WARNING", PREFECT_UI_ENABLED="false",
+                   PREFECT_SERVER_API_AUTH_STRING=self.auth)  # every API call needs the credentials (only /health is open)
         prefect = Path(sys.executable).parent / "prefect"
         log = open(self.home / "server.log", "a")
         self.proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], env=env,
@@ -111,11 +123,14 @@ class PrefectServer:
 @pytest.fixture(scope="session")
 def prefect_service(tmp_path_factory):
     """The session's Prefect server: every process the tests start (flows, workers, the CLI) reaches it
-    through PREFECT_API_URL."""
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), _free_port())
+    through PREFECT_API_URL, with the server's basic-auth string (PREFECT_API_AUTH_STRING): it answers no
+    API call without it, as a deployment reachable from other machines should."""
+    import secrets
+
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), _free_port(), f"evo-tests:{secrets.token_hex(12)}")
     server.start()
-    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
-    os.environ.update(PREFECT_HOME=str(server.home), PREFECT_API_URL=server.url)
+    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    os.environ.update(PREFECT_HOME=str(server.home), PREFECT_API_URL=server.url, PREFECT_API_AUTH_STRING=server.auth)
     yield server
     for k, v in saved.items():
         if v is None:
@@ -166,12 +181,12 @@ def _wait_port(port: int, proc, what: str, log: Path, timeout: float = 60) -> No
         time.sleep(0.2)
 
 
-def _serve(cmd: list[str], port: int, what: str, log: Path):
+def _serve(cmd: list[str], port: int, what: str, log: Path, env: dict | None = None, timeout: float = 60):
     """Start a server for the session (its own process group) and wait until it accepts connections."""
     import subprocess
 
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_port(port, proc, what, log)
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    _wait_port(port, proc, what, log, timeout)
     return proc
 
 
@@ -222,7 +237,7 @@ def webdav(hosts_dir):
     root = hosts_dir / "dav"
     root.mkdir()
     port = _free_port()
-    user, password = "evo", secrets.token_hex(8)
+    user, password = "evo", CANARY
     cfg = hosts_dir / "dav.yaml"
     cfg.write_text(yaml.safe_dump({
         "host": "127.0.0.1", "port": port, "provider_mapping": {"/": str(root)}, "verbose": 1,
@@ -275,6 +290,38 @@ def s3(hosts_dir):
     proc = _serve([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "S3 server (moto)",
                   hosts_dir / "s3.log")
     yield S3(port)
+    _stop(proc)
+
+
+class MlflowServer:
+    """A real MLflow tracking server (``mlflow server``: SQLite backend, artifacts proxied to a folder of its own)
+    behind MLflow's basic-auth app: every API call needs its admin's password. ``uri`` holds the password as
+    URL userinfo, the way a user would set MLFLOW_TRACKING_URI for a server of their team."""
+
+    def __init__(self, port: int, user: str, password: str, base: Path):
+        self.port, self.user, self.password, self.base = port, user, password, base
+        self.url = f"http://127.0.0.1:{port}"
+        self.uri = f"http://{user}:{password}@127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(hosts_dir):
+    import secrets
+    import sys
+
+    base = hosts_dir / "mlflow-server"
+    base.mkdir()
+    port, password = _free_port(), CANARY
+    (base / "auth.ini").write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{base / 'auth.db'}\n"
+                                   f"admin_username = evo-admin\nadmin_password = {password}\n"
+                                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    env = dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(base / "auth.ini"), MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = _serve([str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
+                   "--workers", "1", "--backend-store-uri", f"sqlite:///{base / 'mlflow.db'}", "--artifacts-destination", str(base / "artifacts"),
+                   "--allowed-hosts", f"127.0.0.1:{port},localhost:{port}"],
+                  port, "MLflow server", base / "server.log", env=env, timeout=180)
+    yield MlflowServer(port, "evo-admin", password, base)
     _stop(proc)
 
 
@@ -336,7 +383,7 @@ class WorkerHost:
     def env(self, **extra) -> dict:
         import sys
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(("PREFECT_API_URL", "LANG", "LC_"))}
+        env = {k: v for k, v in os.environ.items() if k.startswith(("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "LANG", "LC_"))}
         env.update(HOME=str(self.home), USER=self.user, PREFECT_HOME=str(self.home / ".prefect"), TOKENIZERS_PARALLELISM="false",
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", **extra)
         return env

@@ -3,18 +3,22 @@ HOME, a worker on the other host, the jobs' flow runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 POOL = "h200"
 
 
 def orch_env(home: Path, **extra) -> dict:
-    env = dict(os.environ, HOME=str(home), TOKENIZERS_PARALLELISM="false", **extra)
-    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own store
+    env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own store, unless the test names a server
+    env.update(HOME=str(home), TOKENIZERS_PARALLELISM="false", **extra)
     return env
 
 
@@ -61,3 +65,31 @@ def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None
         if time.time() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s: {log.read_text()[-3000:] if log else ''}")
         time.sleep(0.5)
+
+
+class _Chat(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat endpoint that always takes the first admissible command."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((self.headers.get("Authorization"), body))
+        prompt = body["messages"][0]["content"]
+        first = prompt.split("ADMISSIBLE COMMANDS: ", 1)[1].split(" | ")[0]
+        out = {"choices": [{"message": {"role": "assistant", "content": f"<think>first</think>\n<action>{first}</action>"}}]}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def start_chat() -> ThreadingHTTPServer:
+    """The chat endpoint on loopback, served by a thread of this process; ``.seen``: (Authorization, body) per call."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Chat)
+    srv.seen = []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv

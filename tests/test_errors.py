@@ -6,8 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -18,6 +16,7 @@ from evoharness.episode import EpisodeConfig
 from evoharness.errors import EnvWorkerError, EvoError, PolicyError
 from evoharness.evaluate import evaluate
 from evoharness.policies import PolicySpec, make_policy, parse_policy
+from hosts import start_chat
 
 CLI = [sys.executable, "-m", "evoharness.cli"]
 
@@ -141,29 +140,8 @@ def test_the_error_line_comes_after_the_exit_hook(games_root, monkeypatch, capsy
     assert e.value.code == 2 and lines == ["prefect: draining", "error: unknown policy 'gpt5' (known: teacher, random, chat, hf)"]
 
 
-class _Chat(BaseHTTPRequestHandler):
-    seen: list = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        _Chat.seen.append((self.headers.get("Authorization"), body))
-        prompt = body["messages"][0]["content"]
-        first = prompt.split("ADMISSIBLE COMMANDS: ", 1)[1].split(" | ")[0]
-        out = {"choices": [{"message": {"role": "assistant", "content": f"<think>first</think>\n<action>{first}</action>"}}]}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
 def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_path, monkeypatch):
-    srv = HTTPServer(("127.0.0.1", 0), _Chat)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = start_chat()
     monkeypatch.setenv("EVO_TEST_KEY", "sk-secret-123")
     url = f"http://127.0.0.1:{srv.server_port}/v1"
     try:
@@ -171,7 +149,7 @@ def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_pa
         games = list_games(games_root, "valid_seen")[:1]
         r = evaluate(games, spec, EpisodeConfig(max_steps=3), [0], tmp_path / "ev", workers=1)
         assert r["summary"]["all"]["episodes"] == 1 and r["summary"]["all"]["errored"] == 0
-        assert _Chat.seen[0][0] == "Bearer sk-secret-123" and _Chat.seen[0][1]["model"] == "m1"
+        assert srv.seen[0][0] == "Bearer sk-secret-123" and srv.seen[0][1]["model"] == "m1"
         written = (tmp_path / "ev" / "episodes.jsonl").read_text() + (tmp_path / "ev" / "results.json").read_text()
         assert "sk-secret" not in written
         # The same endpoint as a baseline of the baselines stage, its URL holding a password: the spec names no

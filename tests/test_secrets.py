@@ -4,6 +4,7 @@ parameter, a log line or an MLflow tag: each boundary is tried with a real crede
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -92,3 +93,29 @@ def test_signed_urls_authorization_headers_and_secret_settings_are_redacted():
         assert redact(raw) == want, raw
     assert all(_secret(k) for k in ("db_passwd", "pwd", "auth_header", "url_signature", "api_key"))
     assert not _secret("max_steps") and not _secret("group_size")
+
+
+def test_a_tracking_servers_password_never_reaches_mlflows_printed_links(monkeypatch, capsys, tmp_path):
+    """MLflow prints its tracking URI in "View run ... at" links: the client is given the URI without its
+    userinfo (the credentials go to MLFLOW_TRACKING_USERNAME / PASSWORD), and the main job's summary names the
+    server's UI without them."""
+    from evoharness import tracking
+    from evoharness.pipeline import print_results
+
+    monkeypatch.setattr(tracking, "check_tracking", lambda uri: None)  # no server needed to shape the URI
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert tracking.client_uri(f"https://evo:{SECRET}%40x@mlflow.example.com:8443/") == "https://mlflow.example.com:8443/"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "evo" and os.environ["MLFLOW_TRACKING_PASSWORD"] == f"{SECRET}@x"
+    assert tracking.client_uri("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://evo:{SECRET}@mlflow.example.com:5000")
+    res = {"summary": {}, "decision": {"model": "m", "version": "1", "decision": "promoted", "reasons": []}, "ran": [], "cached": [],
+           "seconds": 1.0, "parent_run_id": "r1"}
+    (tmp_path / "data" / "baselines").mkdir(parents=True)
+    (tmp_path / "data" / "metrics").mkdir()
+    (tmp_path / "data" / "baselines" / "summary.json").write_text("{}")
+    (tmp_path / "data" / "metrics" / "demos.json").write_text('{"won": 1, "demos": 1}')
+    (tmp_path / "data" / "metrics" / "pairs.json").write_text('{"rows": {"train": 1, "val": 1}}')
+    print_results(tmp_path, res, None, echo=print)
+    out = capsys.readouterr().out
+    assert "MLflow run r1: http://mlflow.example.com:5000/#/experiments" in out and SECRET not in out

@@ -19,27 +19,29 @@ import pytest
 import yaml
 
 from evoharness.lineage import dvc, git
-from hosts import POOL, cli, job_runs, kill_user, start_cli, start_worker, wait_for
+from hosts import POOL, cli, job_runs, kill_user, start_chat, start_cli, start_worker, wait_for
 from project import commit, make_shared_project, MICRO
 
 DEPLOYMENT = "train-stage/train-stage-h200"
 
 
 @pytest.fixture(scope="module")
-def hosts(hosts_dir, webdav, git_server, worker_host, mlflow_template, prefect_server):
-    import shutil
-
+def hosts(hosts_dir, webdav, git_server, worker_host, mlflow_server, prefect_server, canary):
     orch, orch_home = hosts_dir / "orch", hosts_dir / "orch-home"  # made by worker_host, which hides them from the worker
+    chat = start_chat()  # a chat baseline whose key is the session's secret, read from an environment variable
     params = json.loads(json.dumps(MICRO))
     params["promotion"]["model_name"] = "evoharness-hosts"
     params["pool"] = {"silence_s": 60}
+    params["eval"]["baselines"] = ["teacher", f"chat:base_url=http://127.0.0.1:{chat.server_port}/v1,model=m1,api_key_env=EVO_CHAT_KEY,max_new_tokens=32"]
     repo = make_shared_project(orch, params, git_server.bare("evoharness"), webdav.collection("hosts-store"), webdav.user, webdav.password)
-    shutil.copy(mlflow_template, repo / "mlflow.db")
+    # The orchestrator's credentials: the MLflow server's password in its tracking URI, the chat key in the
+    # environment, the remote's password in config.local (all the session's canary).
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri, "EVO_CHAT_KEY": canary}
     # The worker's own DVC credentials for the remote, in its own global config (never sent by the orchestrator).
     for args in (["remote", "add", "--global", "storage", webdav.collection("hosts-store")], ["remote", "modify", "--global", "storage", "user", webdav.user],
                  ["remote", "modify", "--global", "storage", "password", webdav.password]):
         worker_host.run([sys.executable, "-m", "dvc", *args], check=True, capture_output=True)
-    r = cli(repo, orch_home, "deploy")
+    r = cli(repo, orch_home, "deploy", **env)
     assert r.returncode == 0, r.stderr[-2000:]
     from prefect.client.orchestration import get_client
 
@@ -49,7 +51,9 @@ def hosts(hosts_dir, webdav, git_server, worker_host, mlflow_template, prefect_s
         dep = c.read_deployment_by_name(DEPLOYMENT)
     assert dep.work_pool_name == POOL and dep.pull_steps[0]["prefect.deployments.steps.git_clone"]["repository"].startswith("git://127.0.0.1")
     assert str(orch) not in json.dumps(dep.pull_steps)  # the job's code comes from the origin, not from this folder
-    return {"repo": repo, "orch": orch, "orch_home": orch_home, "worker": worker_host, "webdav": webdav}
+    yield {"repo": repo, "orch": orch, "orch_home": orch_home, "worker": worker_host, "webdav": webdav, "env": env, "mlflow": mlflow_server,
+           "chat": chat, "logs": []}
+    chat.shutdown()
 
 
 def test_the_worker_cannot_read_the_orchestrators_folder(hosts):
@@ -67,7 +71,8 @@ def test_a_worker_killed_mid_job_is_detected_and_the_retrain_fails_in_one_line(h
     repo, w = hosts["repo"], hosts["worker"]
     worker = start_worker(w, "gpu-box-1", tmp_path / "worker1.log")
     log = tmp_path / "retrain1.log"
-    proc = start_cli(repo, hosts["orch_home"], log, "run", "--pool", POOL)
+    hosts["logs"] += [log, tmp_path / "worker1.log"]
+    proc = start_cli(repo, hosts["orch_home"], log, "run", "--pool", POOL, **hosts["env"])
     try:
         # The two SFT stages go out together and this one worker takes one at a time (either first): the
         # worker's machine dies during the first.
@@ -109,10 +114,11 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     worker3 = start_worker(w, "gpu-box-3", tmp_path / "worker3.log", EVOHARNESS_MACHINE="gpu-box-3", EVOHARNESS_WORKER_HOME=str(w.home / "box3"))
     log2, log3 = tmp_path / "retrain2.log", tmp_path / "retrain3.log"
     t0 = time.time()
-    r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL)
+    hosts["logs"] += [log2, log3, tmp_path / "worker2.log", tmp_path / "worker3.log"]
+    r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL, **hosts["env"])
     try:
         wait_for(lambda: "holding the DVC slot" in log2.read_text(), 300, "the rerun holding the DVC slot", r2, log2)
-        r3 = start_cli(repo, hosts["orch_home"], log3, "run")  # a second retrain of the same repository, in-process
+        r3 = start_cli(repo, hosts["orch_home"], log3, "run", **hosts["env"])  # a second retrain of the same repository, in-process
         wait_for(lambda: "waiting for the DVC slot" in log3.read_text(), 300, "the second retrain waiting", r3, log3)
         r2.wait(1500)
         r2_end = time.time()
@@ -161,7 +167,8 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     from evoharness import stagerun
 
     assert "EVOHARNESS_MACHINE" not in os.environ
-    c = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    c = MlflowClient(tracking_uri=hosts["mlflow"].uri)  # the team's tracking server (basic auth)
+    assert not (repo / "mlflow.db").exists()
     parent = c.get_run(rec.group(2))
     kids = {k.data.tags["stage"]: k for k in c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
     assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ")
@@ -174,27 +181,57 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     assert yaml.safe_load(git(["show", f"{rec.group(1)}:dvc.lock"], repo)) == yaml.safe_load((repo / "dvc.lock").read_text())
 
 
+def test_the_sessions_secret_is_in_no_store_record_log_or_data_folder(hosts, canary, prefect_service, webdav, git_server):
+    """The canary: one secret is the MLflow server's password (in the orchestrator's tracking URI), the chat
+    baseline's key (an environment variable) and the WebDAV remote's password (config.local here, the worker's
+    own DVC config there). After the retrains above, it is in none of: the MLflow server's store and artifacts,
+    the Prefect database, the git objects on origin (the records included), the retrains', workers' and servers'
+    logs, the data folders of both hosts, the DVC remote's objects."""
+    if "run_id" not in hosts:
+        pytest.fail("no retrain ran: test_a_rerun_with_a_live_worker_... did not record one (it failed or was deselected)")
+    assert hosts["chat"].seen and {a for a, _ in hosts["chat"].seen} == {f"Bearer {canary}"}  # the key was used
+    needle = canary.encode()
+    w = hosts["worker"]
+    places = [hosts["mlflow"].base / "mlflow.db", hosts["mlflow"].base / "artifacts", hosts["mlflow"].base / "server.log",
+              *prefect_service.home.glob("*.db*"), prefect_service.home / "server.log", hosts["repo"] / "data", hosts["repo"] / "reports",
+              *hosts["logs"], webdav.root, *(w.home / ".cache" / "evoharness" / "worker").glob("*/data")]
+    hits, looked = [], 0
+    for place in places:
+        files = [f for f in place.rglob("*") if f.is_file()] if place.is_dir() else [place] if place.exists() else []
+        for f in files:
+            looked += 1
+            if needle in f.read_bytes():
+                hits.append(str(f))
+    for where in (hosts["repo"], git_server.base / "evoharness.git"):  # every object, loose or packed, here and on origin
+        objects = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=where, capture_output=True).stdout
+        assert objects, where
+        if needle in objects:
+            hits.append(f"a git object in {where}")
+    assert git(["ls-remote", "--tags", "origin"], hosts["repo"]).count("refs/tags/retrain/") >= 1  # the records are among them
+    assert looked > 100 and not hits, hits
+
+
 def test_pool_refuses_what_another_machine_cannot_reach(hosts, tmp_path, git_server):
     from project import make_project
 
     repo = make_project(tmp_path, MICRO)  # no origin, a local DVC remote in config.local
-    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300, **hosts["env"])
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --pool h200: ") and "has no git origin" in r.stderr
     bare = tmp_path / "origin.git"
     subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
     git(["remote", "add", "origin", str(bare)], repo)
-    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300, **hosts["env"])
     assert r.returncode == 2 and "is a path on this machine, which the workers cannot clone" in r.stderr.strip().splitlines()[-1]
     git(["remote", "set-url", "origin", git_server.bare("refuse")], repo)
-    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300, **hosts["env"])
     assert r.returncode == 2 and "is not on origin" in r.stderr.strip().splitlines()[-1] and "git push" in r.stderr
     git(["push", "-q", "origin", "main"], repo)
-    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300, **hosts["env"])
     assert r.returncode == 2 and "names no default DVC remote" in r.stderr.strip().splitlines()[-1]
     dvc(["remote", "add", "-d", "disk", str(tmp_path / "remote")], repo)
     commit(repo, "-qam", "a remote on this disk")
     git(["push", "-q", "origin", "main"], repo)
-    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300)
+    r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=300, **hosts["env"])
     assert r.returncode == 2 and "is a folder on this machine, which the workers cannot reach" in r.stderr.strip().splitlines()[-1]
     assert not (repo / "dvc.lock").exists()  # refused before any stage ran
 
