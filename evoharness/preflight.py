@@ -147,13 +147,19 @@ def check_mlflow(root: Path, model_name: str) -> str:
         try:
             c.get_registered_model(probe)
         except Exception:
-            c.create_registered_model(probe, description="evoharness preflight probe: each retrain registers and deletes a version here")
+            try:
+                c.create_registered_model(probe, description="evoharness preflight probe: each retrain registers and deletes a version here")
+            except Exception as e:  # another retrain's preflight made it a moment ago
+                if getattr(e, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                c.get_registered_model(probe)
         version = c.create_model_version(probe, source=f"{c.get_run(run_id).info.artifact_uri}/preflight", run_id=run_id).version
         step = "set an alias"
-        c.set_registered_model_alias(probe, "preflight", version)
-        if str(c.get_model_version_by_alias(probe, "preflight").version) != str(version):
+        alias = f"preflight-{run_id[:12]}"  # its own: two retrains' preflights may probe at the same moment
+        c.set_registered_model_alias(probe, alias, version)
+        if str(c.get_model_version_by_alias(probe, alias).version) != str(version):
             raise RuntimeError("the alias does not point at the version it was set to")
-        c.delete_registered_model_alias(probe, "preflight")
+        c.delete_registered_model_alias(probe, alias)
     except Exception as e:
         text = " ".join(str(e).split())[:200] or type(e).__name__
         raise EvoError(f"MLflow store {uri} refused to {step} ({type(e).__name__}: {redact(text)}); the promotion at the end of the run "

@@ -497,7 +497,11 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
     except MlflowException as e:
         if not _not_found(e):
             raise EvoError(f"promotion: cannot read registered model {name} ({type(e).__name__}); nothing moved") from None
-        c.create_registered_model(name, description="EvoHarness agents; alias champion is the promoted one, challenger the latest candidate")
+        try:
+            c.create_registered_model(name, description="EvoHarness agents; alias champion is the promoted one, challenger the latest candidate")
+        except MlflowException as e2:  # made a moment ago by another retrain's gate
+            if getattr(e2, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise EvoError(f"promotion: cannot register model {name} ({type(e2).__name__}); nothing moved") from None
     existing = c.search_model_versions(f"name='{name}' and tag.dvc_md5='{model_md5}'")
     mv = max(existing, key=lambda m: int(m.version)) if existing else None
     if mv is not None and (mv.tags or {}).get("decision.state") == "complete":

@@ -133,7 +133,14 @@ def experiment_id(c, root: Path | None = None, name: str = EXPERIMENT) -> str:
     location = None
     if c.tracking_uri.startswith("sqlite:///"):
         location = (Path(c.tracking_uri.removeprefix("sqlite:///")).parent / ARTIFACTS).as_uri()
-    return c.create_experiment(name, artifact_location=location)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return c.create_experiment(name, artifact_location=location)
+    except MlflowException as e:
+        if getattr(e, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return c.get_experiment_by_name(name).experiment_id  # another retrain made it a moment ago
 
 
 def _secret(key: str) -> bool:

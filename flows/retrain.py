@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 
 from evoharness import stagerun
 from evoharness.errors import EvoError
-from evoharness.tracking import tracking_uri
+from evoharness.tracking import client_uri, tracking_uri
 from tasks import stages as st
 from tasks import tracking as tr
 
@@ -76,7 +76,7 @@ class _Monitor:
     started when the run exists (a callback of its task) and never after the retrain ended."""
 
     def __init__(self, root: Path):
-        self.uri = tracking_uri(root)
+        self.uri = client_uri(tracking_uri(root))  # no userinfo: MLflow prints the URI in links
         self.lock = threading.Lock()
         self.monitor = None
         self.done = False
@@ -190,11 +190,12 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
             st.push_all(str(rootp))  # also what an earlier run's interrupted push left out
             st.check_on_remote(str(rootp))  # the record names only what the remote holds
             parent = parent_f.result()
-            decision = tr.promote(str(rootp), parent, params, profile)  # decided, not yet final: no alias has moved
-            summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
-                       "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
-            rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran
-            tr.finalize(str(rootp), decision, rec["git_ref"])  # the aliases move only once the record exists
+            with tr.gate_slot(str(rootp), params, profile, log.info):  # one decision on this model at a time, anywhere
+                decision = tr.promote(str(rootp), parent, params, profile)  # decided, not yet final: no alias has moved
+                summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
+                           "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
+                rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran
+                tr.finalize(str(rootp), decision, rec["git_ref"])  # the aliases move only once the record exists
             tr.finish_parent(str(rootp), parent, params, "FINISHED", summary)
         return {"parent_run_id": parent, "ran": ran, "cached": cached, "decision": decision, "seconds": round(time.time() - t0, 1), **rec}
     except BaseException as e:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import platform
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 from prefect import task
@@ -179,6 +181,47 @@ def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
     return cand, refs
 
 
+GATE_LIMIT_PREFIX = "evoharness-gate-"
+GATE_WAIT_S = 3600  # how long a retrain waits for another retrain's decision on the same model
+
+
+@contextmanager
+def gate_slot(root: str, params_path: str, profile: str, log=print) -> Iterator[str]:
+    """The decision on one registered model, one retrain at a time across checkouts and machines: a Prefect
+    global concurrency limit of 1 named after the model (made on first use), held from reading the champion to
+    moving the aliases. Prefect's, not ours: it spans machines, which a file lock cannot. It holds for seconds,
+    so a lease lost to a server restart costs little; the champion's compare-and-set (``promotion.finalize``)
+    still refuses a move against a champion that moved meanwhile."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+
+    from evoharness import promotion
+
+    pp, _ = promotion.load_promotion(Path(root) / params_path, profile)
+    name = promotion.registered_name(pp, profile)
+    limit = GATE_LIMIT_PREFIX + "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in name)
+    with get_client(sync_client=True) as c:
+        try:
+            c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
+        except ObjectAlreadyExists:
+            pass
+        held = next((g.active_slots for g in c.read_global_concurrency_limits(limit=200) if g.name == limit), 0)
+    if held:
+        log(f"waiting for the decision slot of {name} ({limit}): another retrain is deciding on it")
+    holding = False
+    try:
+        with concurrency(limit, occupy=1, timeout_seconds=GATE_WAIT_S, lease_duration=120, strict=True):
+            holding = True
+            log(f"holding the decision slot of {name} ({limit})")
+            yield name
+    except TimeoutError:
+        if holding:
+            raise
+        raise EvoError(f"another retrain held the decision slot of {name} ({limit}) for over {GATE_WAIT_S} s; nothing was decided") from None
+
+
 @task(name="promotion-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=3)
 def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
     """The gate on the evaluated GRPO model: register and decide, leaving the decision pending until
@@ -213,7 +256,7 @@ def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
     md = md_path.read_text() if md_path.exists() and not d.reused else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)
     create_markdown_artifact(key="promotion-decision", markdown=md, description=f"{name} v{d.version}: {d.word}")
     return {"model": name, "version": d.version, "decision": d.word, "reasons": d.reasons, "reused": d.reused,
-            "checks": [c_.line() for c_ in d.checks], "run_id": d.extra.get("run_id")}
+            "checks": [c_.line() for c_ in d.checks], "run_id": d.extra.get("run_id"), "champion_before": d.champion_version}
 
 
 @task(name="promotion-finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
@@ -223,6 +266,7 @@ def finalize(root: str, decision: dict, git_ref: str | None) -> dict:
     from evoharness import promotion
 
     d = promotion.Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
-                           reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")})
+                           reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")},
+                           champion_version=decision["champion_before"])  # the compare-and-set's "compared with"
     promotion.finalize(tracking.client(Path(root)), decision["model"], d, git_ref)
     return decision

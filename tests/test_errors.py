@@ -173,6 +173,8 @@ def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_pa
         srv.shutdown()
     with pytest.raises(PolicyError, match=r"chat endpoint http://127.0.0.1:9/v1/chat/completions unreachable"):
         make_policy(parse_policy("chat:base_url=http://127.0.0.1:9/v1,model=m")).act("hi", None, None)
+    with pytest.raises(PolicyError, match=r"chat endpoint http://u:\*\*\*@127.0.0.1:9/v1/chat/completions unreachable"):
+        make_policy(parse_policy("chat:base_url=http://u:hunter2@127.0.0.1:9/v1,model=m")).act("hi", None, None)
 
 
 def test_evaluation_resumes_and_survives_a_truncated_line(games_root, tmp_path):

@@ -29,8 +29,9 @@ def project(tmp_path_factory, mlflow_template):
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **extra)
-    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own sqlite store
+    env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the project's own sqlite store, unless the test names a server
+    env.update(TOKENIZERS_PARALLELISM="false", **extra)
     return env
 
 
@@ -155,12 +156,69 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     assert json.loads(dvc(["status", "--json"], project) or "{}") == {}
 
 
+def test_two_checkouts_retraining_at_once_decide_one_after_the_other_on_one_tracking_server(prefect_server, project, mlflow_server, tmp_path):
+    """Two checkouts of the project (the second a copy of the first, each with its own GRPO learning rate) retrain
+    at the same time against one MLflow server: their decisions on the one registered model take turns (a Prefect
+    global concurrency limit per model), so exactly one champion results, and the second compared with the first."""
+    from mlflow import MlflowClient
+
+    other = tmp_path / "checkout-b"
+    shutil.copytree(project, other, symlinks=True)
+    logs, procs = {}, {}
+    for i, repo in enumerate((project, other)):
+        p = yaml.safe_load((repo / "params.yaml").read_text())
+        p["profiles"]["tiny-cpu"]["grpo"]["learning_rate"] *= 2 + i  # a new candidate in each checkout: GRPO and evaluate rerun
+        (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    env = _env(MLFLOW_TRACKING_URI=mlflow_server.uri)
+    try:
+        for repo in (project, other):
+            logs[repo] = tmp_path / f"{repo.name}.log"
+            procs[repo] = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=repo, env=env, stdout=open(logs[repo], "w"),
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        for repo, proc in procs.items():
+            proc.wait(900)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        git(["checkout", "--", "params.yaml"], project)
+    outs = {repo: logs[repo].read_text() for repo in procs}
+    for repo, proc in procs.items():
+        assert proc.returncode == 0, outs[repo][-3000:]
+        assert _line(outs[repo], "stages run:").startswith("stages run: grpo, evaluate;"), _line(outs[repo], "stages run:")
+    assert any("waiting for the decision slot of evoharness-test-tiny-cpu" in o for o in outs.values())  # they did meet at the gate
+    c = MlflowClient(tracking_uri=mlflow_server.uri)
+    versions = sorted(c.search_model_versions("name='evoharness-test-tiny-cpu'"), key=lambda v: int(v.version))
+    assert len(versions) == 2, [v.version for v in versions]
+    first, second = versions
+    assert first.tags["decision.state"] == second.tags["decision.state"] == "complete"
+    assert first.tags["decision"] == "promoted"  # nothing to compare with: it passes the micro thresholds
+    assert second.tags["decision.champion_before"] == first.version  # decided against the first, not against "none"
+    champion = c.get_model_version_by_alias("evoharness-test-tiny-cpu", "champion").version
+    assert champion == (second.version if second.tags["decision"] == "promoted" else first.version)
+
+
 def test_an_unreachable_prefect_server_is_one_line(project):
     env = _env(PREFECT_API_URL="http://127.0.0.1:9/api")
     for args in (["run"], ["deploy"]):
         r = _cli(project, *args, env=env, timeout=120)
         assert r.returncode == 2, r.stderr[-2000:]
         assert r.stderr.strip().splitlines()[-1].startswith("error: Prefect server http://127.0.0.1:9/api is unreachable")
+
+
+def test_a_prefect_server_that_refuses_this_client_is_one_line(prefect_server, project):
+    """The test server needs its auth string for every API call (/health is open to all): without it, or with
+    a wrong one, the run and deploy stop in one line before anything starts."""
+    for auth in (None, "evo-tests:wrong"):
+        env = _env()
+        env.pop("PREFECT_API_AUTH_STRING")
+        if auth:
+            env["PREFECT_API_AUTH_STRING"] = auth
+        for args in (["run"], ["deploy"]):
+            r = _cli(project, *args, env=env, timeout=120)
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert r.stderr.strip().splitlines()[-1] == f"error: Prefect server {prefect_server} refused this client (401): set PREFECT_API_AUTH_STRING (user:password) or PREFECT_API_KEY"
+            assert "evo-tests:" not in r.stdout + r.stderr
 
 
 def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server, project):

@@ -11,6 +11,9 @@ from evoharness.episode import Privileged, TurnView
 from evoharness.errors import PolicyError
 
 
+MAX_REPLY_BYTES = 1 << 20  # one completion of an action turn is a few hundred bytes
+
+
 class ChatEndpoint:
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY", temperature: float = 0.0, max_tokens: int = 256, timeout: float = 60.0):
         if not base_url or not model:
@@ -23,7 +26,10 @@ class ChatEndpoint:
         self.timeout = timeout
 
     def complete(self, prompt: str) -> str:
+        from evoharness.secrets import redact
+
         url = f"{self.base_url}/chat/completions"
+        shown = redact(url)  # the endpoint as errors (and the episodes that keep them) name it
         headers = {}
         key = os.environ.get(self.api_key_env)
         if key:
@@ -37,13 +43,15 @@ class ChatEndpoint:
         try:
             r = httpx.post(url, json=body, headers=headers, timeout=self.timeout)
         except httpx.HTTPError as e:
-            raise PolicyError(f"chat endpoint {url} unreachable ({type(e).__name__})") from None
+            raise PolicyError(f"chat endpoint {shown} unreachable ({type(e).__name__})") from None
         if r.status_code != 200:
-            raise PolicyError(f"chat endpoint {url} answered HTTP {r.status_code}: {r.text[:120]!r}")
+            raise PolicyError(f"chat endpoint {shown} answered HTTP {r.status_code}: {redact(r.text[:120])!r}")
+        if len(r.content) > MAX_REPLY_BYTES:
+            raise PolicyError(f"chat endpoint {shown} answered {len(r.content)} bytes, more than {MAX_REPLY_BYTES} for one reply")
         try:
             return r.json()["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError):
-            raise PolicyError(f"chat endpoint {url} answered something that is not a chat completion: {r.text[:120]!r}") from None
+            raise PolicyError(f"chat endpoint {shown} answered something that is not a chat completion: {redact(r.text[:120])!r}") from None
 
 
 class ChatPolicy:
