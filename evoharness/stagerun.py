@@ -133,11 +133,54 @@ def up_to_date(root: Path) -> bool:
 
 
 def run_here(root: Path, stage: str) -> StageResult:
-    """``dvc repro --single-item <stage>``: DVC skips it when its deps, params and outs match."""
+    """``dvc repro --single-item --pull <stage>``: DVC skips it when its deps, params and outs match, and
+    restores it instead of running it when any machine ran it on these inputs before (its run-cache entry and
+    outputs on the remote: ``push_run_cache``), pulling what it needs."""
     t0 = time.time()
-    out = dvc(["repro", "--single-item", stage], root)
+    out = dvc(["repro", "--single-item", *(["--pull"] if run_cache_supported(root) else []), stage], root)
     ran = f"Running stage '{stage}'" in out
     return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage), machine=machine() if ran else "")
+
+
+def run_cache_supported(root: Path) -> bool:
+    """DVC keeps no run-cache on a plain HTTP remote (WebDAV, S3, SSH, local folders all do)."""
+    found = default_remote(root)
+    return found is not None and not found[1].startswith(("http://", "https://"))
+
+
+def push_run_cache(root: Path, targets: list[str] | None = None) -> None:
+    """Push the outputs (of ``targets``, default all) and the run-cache: each stage run's entry, so another
+    machine restores the run instead of repeating it (``run_here``). DVC's ``push --run-cache`` leaves out the
+    objects of an entry's ``cache: false`` outputs (the metrics it names), without which a restore fails as
+    "missing cache files": those are sent here, from this cache to the default remote, by DVC's own transfer."""
+    root = Path(root)
+    if not run_cache_supported(root):
+        dvc(["push", *(targets or [])], root)
+        return
+    dvc(["push", "--run-cache", *(targets or [])], root)
+    from dvc.repo import Repo
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.transfer import transfer
+
+    uncached = {p for st in stages(root) for p in uncached_outs(root, st)}
+    with Repo(str(root)) as repo:
+        runs = Path(repo.cache.legacy.path) / "runs"
+        wanted = set()
+        for f in (runs.rglob("*") if runs.is_dir() else []):
+            if not f.is_file():
+                continue
+            try:
+                entry = yaml.safe_load(f.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            for o in entry.get("outs") or []:
+                if isinstance(o, dict) and o.get("path") in uncached and _MD5.fullmatch(str(o.get("md5", ""))):
+                    wanted.add(HashInfo("md5", o["md5"]))
+        have = {h for h in wanted if repo.cache.local.exists(h.value)}
+        if have:
+            res = transfer(repo.cache.local, repo.cloud.get_remote_odb(None, "push"), have)
+            if res.failed:
+                raise EvoError(f"pushing the run-cache's uncached outputs from {root}: {len(res.failed)} object(s) did not reach the remote")
 
 
 def producers(root: Path, stage: str) -> list[str]:
@@ -325,7 +368,7 @@ def run_checked_out(spec: dict, ws: Path, echo=print) -> StageResult:
         dvc(["pull", *ups], ws)
     echo(f"{stage}: pulled the outputs of {', '.join(ups) or 'nothing'} by hash from remote {spec['remote']!r}")
     res = run_here(ws, stage)
-    dvc(["push", stage], ws)
+    push_run_cache(ws, [stage])  # its outputs and its run-cache entry: another box restores this run instead of repeating it
     echo(f"{stage}: {'ran' if res.ran else 'was up to date'} in {res.seconds:.1f} s and pushed its outputs")
     return StageResult(stage, res.ran, round(time.time() - t0, 2), res.entry, where=f"job on {host}", files=small_files(ws, stage), machine=res.machine)
 

@@ -373,7 +373,7 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
 
 @task(name="dvc-push", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def push_all(root: str) -> None:
-    stagerun.dvc(["push"], Path(root))
+    stagerun.push_run_cache(Path(root))  # every output, and the run-cache, so any machine restores these runs
 
 
 @task(name="dvc-status-cloud", cache_policy=NO_CACHE)

@@ -102,6 +102,33 @@ def test_a_remote_object_whose_bytes_changed_fails_the_pull_and_never_reaches_th
     assert (clone / "data" / "demos" / "demos.jsonl").read_bytes() == (repo / "data" / "demos" / "demos.jsonl").read_bytes()
 
 
+def test_a_stage_run_on_one_machine_is_restored_on_another_from_the_run_cache(repo, tmp_path):
+    """A stage run here on inputs that dvc.lock no longer names (a param changed, then changed back) is not run
+    again by a fresh clone given those inputs: DVC restores it from the run-cache on the remote (its entry, its
+    outputs and its uncached metrics, which DVC's own push leaves out), as another box would."""
+    from evoharness import stagerun
+
+    text = (repo / "params.yaml").read_text()
+    other = yaml.safe_load(text)
+    other["games"]["max_per_type"] = 2
+    try:
+        (repo / "params.yaml").write_text(yaml.safe_dump(other, sort_keys=False))
+        made = stagerun.run_here(repo, "games")
+        assert made.ran
+        metrics = (repo / "data" / "metrics" / "games.json").read_bytes()
+        stagerun.push_run_cache(repo)
+    finally:
+        (repo / "params.yaml").write_text(text)
+    assert not stagerun.run_here(repo, "games").ran  # back to the committed inputs: restored here too
+    clone = tmp_path / "box"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    ensure_remote(clone, dvc(["remote", "list", "--local"], repo).split()[1])
+    (clone / "params.yaml").write_text(yaml.safe_dump(other, sort_keys=False))
+    again = stagerun.run_here(clone, "games")
+    assert not again.ran and again.entry["outs"] == made.entry["outs"]
+    assert (clone / "data" / "metrics" / "games.json").read_bytes() == metrics
+
+
 def test_reproduce_by_hash_reports_identical_hashes(repo):
     stages = parse_lock((repo / "dvc.lock").read_text())
     pairs_md5 = next(o["md5"] for o in stages["pairs"]["outs"] if o["path"] == "data/pairs")
