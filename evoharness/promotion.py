@@ -255,19 +255,38 @@ class Decision:
         return asdict(self) | {"decision": self.word}
 
 
-# What a reference evaluation (a baseline the candidate must beat) shares with the candidate: the games, seeds,
-# budgets and harness. Decoding is compared too where both are models (a scripted baseline has none).
-REF_CONDITION_KEYS = ("games", "splits", "seeds", "max_steps", "max_turns", "mode", "charge_meta_actions")
+# What a reference evaluation (a baseline the candidate must beat or not regress against) shares with the
+# candidate: the games and seeds (every game and seed the candidate played, the reference played too), the harness
+# mode and meta-action charging, decoding where both are models; and a step and turn budget at least the
+# candidate's (the baselines stage plays the episode budget, the evaluate stage the profile's eval budget: more
+# steps can only help the reference, so a candidate that beats it under less still beats it).
+REF_EQUAL_KEYS = ("splits", "seeds", "mode", "charge_meta_actions")
+REF_BUDGET_KEYS = ("max_steps", "max_turns")
 DECODING_KEYS = ("decoding", "sampling", "max_new_tokens")
 
 
+def _budget(c: dict, key: str) -> float:
+    try:
+        steps = float(c.get("max_steps"))
+        v = float(c.get(key))
+    except (TypeError, ValueError):
+        return float("nan")
+    return (v or 2 * steps) if key == "max_turns" else v  # max_turns 0: twice max_steps (EpisodeConfig)
+
+
 def check_reference_conditions(cand: Evidence, refs: dict[str, Evidence]) -> None:
-    """A reference evaluated under other conditions than the candidate's compares nothing: refused in one line."""
+    """A reference evaluated under conditions that favour the candidate compares nothing: refused in one line."""
     for label, ref in refs.items():
-        keys = list(REF_CONDITION_KEYS)
+        keys = list(REF_EQUAL_KEYS)
         if all(ref.conditions.get(k, "n/a") != "n/a" for k in DECODING_KEYS):
             keys += DECODING_KEYS
         diffs = [f"{k} {ref.conditions.get(k)} vs {cand.conditions.get(k)}" for k in keys if str(ref.conditions.get(k)) != str(cand.conditions.get(k))]
+        diffs += [f"{k} {ref.conditions.get(k)} vs {cand.conditions.get(k)}" for k in REF_BUDGET_KEYS
+                  if not _budget(ref.conditions, k) >= _budget(cand.conditions, k)]
+        for split, played in cand.outcomes.items():
+            missing = played.keys() - ref.outcomes.get(split, {}).keys()
+            if missing:
+                diffs.append(f"{len(missing)} {split} game and seed pair(s) the candidate played, {label} did not (e.g. {sorted(missing)[0]})")
         if diffs:
             raise EvoError(f"promotion: {label} was evaluated under other conditions than the candidate ({'; '.join(diffs)}); "
                            "re-run the baselines stage with the candidate's settings")

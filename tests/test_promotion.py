@@ -81,6 +81,17 @@ def test_the_checks_thresholds_errors_baselines_champion_and_floor():
         decide(ev("c", 40, 30), None, refs(cond={**COND, "decoding": "greedy"}) | {"random": refs()["random"]}, {}, T)
     with pytest.raises(EvoError, match=r"random .* \(seeds 0,1 vs 0\)"):
         decide(ev("c", 40, 30), None, {**refs(), "random": ev("random", 0, 0, cond={**COND, "seeds": "0,1", "decoding": "n/a"})}, {}, T)
+    # The main job's shape: the baselines stage plays the episode budget (50 steps, all games), the evaluate stage the
+    # profile's eval budget (30 here): more steps and more games for the reference only make it harder to beat.
+    roomy = {**refs()["random"].conditions, "max_steps": "50", "games": "another-hash"}
+    bigger = ev("random", 0, 0, cond=roomy)
+    for split in bigger.outcomes:
+        bigger.outcomes[split][f"{split}/extra#s0"] = 1
+    assert decide(ev("c", 40, 30), None, {**refs(), "random": bigger}, {}, T).promoted
+    fewer = ev("random", 0, 0, cond=roomy)
+    del fewer.outcomes["valid_unseen"]["valid_unseen/game03#s0"]
+    with pytest.raises(EvoError, match=r"random .* \(1 valid_unseen game and seed pair\(s\) the candidate played, random did not \(e\.g\. valid_unseen/game03#s0\)\)"):
+        decide(ev("c", 40, 30), None, {**refs(), "random": fewer}, {}, T)
     # The floor: never below the best champion so far minus the tolerance.
     d = decide(ev("c", 24, 15, shift=10), champ, refs(), {"valid_seen": 0.6, "valid_unseen": 0.25}, T)
     assert not d.promoted and d.reasons == ["seen success 40.0% is below the floor 55.0% (best champion so far 60.0% minus 5.0%)"]
