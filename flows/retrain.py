@@ -95,8 +95,19 @@ class _Monitor:
     def finish(self) -> None:
         with self.lock:
             self.done = True
-            if self.monitor is not None:
-                self.monitor.finish()
+            m = self.monitor
+            if m is None:
+                return
+            m.finish()
+            # MLflow's loop logs its first sample after one interval and gives up for good when one read of the
+            # run fails (a busy SQLite store answers "database is locked"): the run still gets one sample.
+            if getattr(m, "_logging_step", 1) == 0:
+                try:
+                    m.collect_metrics()
+                    m.publish_metrics(m.aggregate_metrics())
+                    m.mlflow_logger.flush()
+                except Exception:  # noqa: BLE001 -- system metrics are a convenience, never a reason to fail a retrain
+                    pass
 
 
 def check_deployment(name: str, pool: str) -> None:

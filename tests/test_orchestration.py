@@ -233,7 +233,7 @@ def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server
     r = _cli(project, "run")
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: dvc repro --single-item validate failed") and "validation failed" in last and "quarantine" in last
+    assert last.startswith("error: dvc repro --single-item --pull validate failed") and "validation failed" in last and "quarantine" in last
     quarantined = sorted((project / "data" / "quarantine").iterdir())
     assert quarantined and any((q / "train.parquet").exists() for q in quarantined)  # moved, with the report, not lost
     assert "stages run" not in r.stdout  # nothing after the gate ran
