@@ -25,7 +25,7 @@ import yaml
 
 from evoharness.errors import EvoError
 from evoharness.lineage import check_remote, check_shared, default_remote, dvc, git, parse_lock, unlock
-from evoharness.secrets import public_url
+from evoharness.secrets import public_url, redact
 
 WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 
@@ -94,7 +94,8 @@ def lock_entry(root: Path, stage: str) -> dict:
 
 def merge_lock_entry(root: Path, stage: str, entry: dict) -> None:
     p = Path(root) / "dvc.lock"
-    parse_lock(p.read_text(), p) if p.exists() else None  # a dvc.lock of another shape is refused, never merged into
+    if p.exists():
+        parse_lock(p.read_text(), p)  # a dvc.lock of another shape is refused, never merged into
     data = yaml.safe_load(p.read_text()) if p.exists() else None
     data = data or {"schema": "2.0", "stages": {}}
     data["stages"] = data.get("stages") or {}
@@ -177,10 +178,13 @@ def push_run_cache(root: Path, targets: list[str] | None = None) -> None:
                 if isinstance(o, dict) and o.get("path") in uncached and _MD5.fullmatch(str(o.get("md5", ""))):
                     wanted.add(HashInfo("md5", o["md5"]))
         have = {h for h in wanted if repo.cache.local.exists(h.value)}
-        if have:
-            res = transfer(repo.cache.local, repo.cloud.get_remote_odb(None, "push"), have)
-            if res.failed:
-                raise EvoError(f"pushing the run-cache's uncached outputs from {root}: {len(res.failed)} object(s) did not reach the remote")
+        try:
+            failed = transfer(repo.cache.local, repo.cloud.get_remote_odb(None, "push"), have).failed if have else set()
+        except Exception as e:  # noqa: BLE001 -- the remote's own error (network, credentials), as one line
+            failed = {f"{type(e).__name__}: {redact(' '.join(str(e).split())[:200])}"}
+        if failed:
+            raise EvoError(f"pushing the run-cache's metrics objects from {root}: {len(failed)} did not reach the remote "
+                           f"({sorted(map(str, failed))[0]})")
 
 
 def producers(root: Path, stage: str) -> list[str]:

@@ -125,8 +125,6 @@ def prefect_service(tmp_path_factory):
     """The session's Prefect server: every process the tests start (flows, workers, the CLI) reaches it
     through PREFECT_API_URL, with the server's basic-auth string (PREFECT_API_AUTH_STRING): it answers no
     API call without it, as a deployment reachable from other machines should."""
-    import secrets
-
     server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), _free_port(), f"evo-tests:{secrets.token_hex(12)}")
     server.start()
     saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
@@ -229,7 +227,6 @@ class WebDAV:
 
 @pytest.fixture(scope="session")
 def webdav(hosts_dir):
-    import secrets
     import sys
 
     import yaml
@@ -306,7 +303,6 @@ class MlflowServer:
 
 @pytest.fixture(scope="session")
 def mlflow_server(hosts_dir):
-    import secrets
     import sys
 
     base = hosts_dir / "mlflow-server"
