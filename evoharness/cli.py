@@ -43,22 +43,35 @@ def games(
     params: str = PARAMS,
     seed: Optional[int] = typer.Option(None, help="override params seed"),
     metrics: Optional[Path] = typer.Option(None, help="also write kept/rejected counts here (DVC metrics)"),
-    section: str = typer.Option("games", help="params section with the seed and counts: games, or grpo_games (GRPO's own training games)"),
-    disjoint_from: Optional[Path] = typer.Option(None, "--disjoint-from", help="another games root: never generate a PDDL problem any of its games has"),
+    section: str = typer.Option("games", help="params section with the seed and counts: games, grpo_games (GRPO's own training games) "
+                                "or panel (the evaluation panel)"),
+    disjoint_from: Optional[list[Path]] = typer.Option(None, "--disjoint-from", help="another games root (repeatable): never generate a PDDL problem any of its games has"),
+    seen_scenes_from: Optional[Path] = typer.Option(None, "--seen-scenes-from", help="a games root whose train scenes valid_seen draws from"),
 ):
     """Generate ALFWorld games for all six families (train, valid_seen, valid_unseen)."""
-    from evoharness.alfworld.generate import GenConfig, generate, problem_keys
+    from evoharness.alfworld.families import FAMILIES
+    from evoharness.alfworld.generate import GenConfig, generate, panel_digest, problem_keys
     from evoharness.config import load_params
 
     p = load_params(params)
     g = p.games
-    if section not in ("games", "grpo_games"):
-        raise EvoError(f"--section: unknown section {section!r} (known: games, grpo_games)")
-    counts = dict(g.per_family if section == "games" else p.grpo_games.per_family)
-    base_seed = p.seed if section == "games" else p.grpo_games.seed
-    if disjoint_from is not None and disjoint_from.resolve() == out.resolve():
-        raise EvoError(f"--disjoint-from {disjoint_from}: is the output root itself (it is regenerated)")
-    avoid = frozenset(problem_keys(disjoint_from)) if disjoint_from is not None else frozenset()
+    if section not in ("games", "grpo_games", "panel"):
+        raise EvoError(f"--section: unknown section {section!r} (known: games, grpo_games, panel)")
+    counts = dict(g.per_family if section == "games" else p.grpo_games.per_family if section == "grpo_games" else {})
+    by_family = {split: dict(f) for split, f in p.panel.per_family.items()} if section == "panel" else None
+    base_seed = {"games": p.seed, "grpo_games": p.grpo_games.seed, "panel": p.panel.seed}[section]
+    avoid: set[str] = set()
+    for other in disjoint_from or []:
+        if other.resolve() == out.resolve():
+            raise EvoError(f"--disjoint-from {other}: is the output root itself (it is regenerated)")
+        avoid |= set(problem_keys(other))
+    seen = None
+    if seen_scenes_from is not None:
+        try:
+            trained = json.loads((seen_scenes_from / "summary.json").read_text())["splits"]["train"]
+        except (OSError, ValueError, KeyError) as e:
+            raise EvoError(f"--seen-scenes-from {seen_scenes_from}: no train split in its summary.json ({type(e).__name__})") from None
+        seen = {fam: list(trained.get(label, {}).get("scenes", [])) for fam, label in FAMILIES.items()}
     cfg = GenConfig(
         seed=base_seed if seed is None else seed,
         per_family=counts,
@@ -68,9 +81,11 @@ def games(
         distractors=g.distractors,
         max_expert_steps=g.max_expert_steps,
         workers=p.workers,
-        avoid=avoid,
+        avoid=frozenset(avoid),
+        counts=by_family,
+        seen_scenes=seen,
     )
-    total = sum(counts.values()) * len(g.families)
+    total = sum(sum(f.values()) for f in by_family.values()) if by_family else sum(counts.values()) * len(g.families)
     bar = _bar(total, "games")
     state = {}
 
@@ -81,12 +96,20 @@ def games(
 
     with bar:  # closed (its line ended) before an error line is written
         summary = generate(out, cfg, progress)
+    made = {split for split in summary["splits"]}
+    if section == "panel":
+        digest = panel_digest(out)
+        summary["digest"] = digest
+        if p.panel.digest and digest != p.panel.digest:
+            raise EvoError(f"panel: the games generated in {out} have digest {digest}, but params panel.digest pins {p.panel.digest}: "
+                           "the generator (or its settings) changed, so this would be another panel; restore them, or pin a new panel knowingly")
+        typer.echo(f"panel digest {digest}" + ("" if p.panel.digest else " (not pinned: set params panel.digest to freeze it)"))
     if metrics:
-        _write_json(metrics, {split: {f: {k: v[k] for k in ("kept", "rejected", "shared_skipped") if k in v} for f, v in fams.items()}
-                              for split, fams in summary["splits"].items() if counts.get(split)})
+        _write_json(metrics, {**{split: {f: {k: v[k] for k in ("kept", "rejected", "shared_skipped") if k in v} for f, v in fams.items()}
+                                     for split, fams in summary["splits"].items() if split in made},
+                              **({"digest": summary["digest"]} if "digest" in summary else {})})
     for split, fams in summary["splits"].items():
-        if counts.get(split):
-            typer.echo(f"{split:<13} " + "  ".join(f"{f}:{v['kept']}" for f, v in fams.items()))
+        typer.echo(f"{split:<13} " + "  ".join(f"{f}:{v['kept']}" for f, v in fams.items()))
 
 
 @app.command()
@@ -204,14 +227,16 @@ def pairs(
     out: Path = typer.Option(Path("data/pairs")),
     metrics: Optional[Path] = typer.Option(None),
     plots: Optional[Path] = typer.Option(None, help="CSV of token lengths per row (DVC plots)"),
+    match_wins: Optional[Path] = typer.Option(None, "--match-wins", help="another demos file: keep as many successful episodes as it has"),
     params: str = PARAMS,
 ):
     """Build SFT pairs (Parquet, train/val by episode) from teacher demos."""
     from evoharness.config import load_params
-    from evoharness.data.pairs import build_pairs
+    from evoharness.data.pairs import build_pairs, kept_episodes
 
     p = load_params(params)
-    s = build_pairs(demos, out, p.pairs.val_fraction, p.pairs.few_shot, p.pairs.imitate_detours)
+    s = build_pairs(demos, out, p.pairs.val_fraction, p.pairs.few_shot, p.pairs.imitate_detours,
+                    kept_episodes(match_wins) if match_wins is not None else None)
     if metrics:
         _write_json(metrics, {k: s[k] for k in ("episodes", "kept", "dropped", "rows", "verb_share", "tokens")})
     if plots:
@@ -230,6 +255,8 @@ def validate(
     report: Path = typer.Option(Path("data/validation"), help="report folder (JSON + GX data docs)"),
     quarantine: Path = typer.Option(Path("data/quarantine"), help="where failing files are moved"),
     metrics: Optional[Path] = typer.Option(None),
+    react_demos: Optional[Path] = typer.Option(None, "--react-demos", help="the env_only teacher's demos (ReAct-SFT's data)"),
+    react_pairs: Optional[Path] = typer.Option(None, "--react-pairs", help="ReAct-SFT's pairs folder"),
     params: str = PARAMS,
 ):
     """The Great Expectations gate on trajectories and SFT pairs; failing files are quarantined."""
@@ -237,7 +264,8 @@ def validate(
     from evoharness.data.validation import gate
 
     p = load_params(params)
-    res = gate(demos, pairs_dir, p.validate_.max_tokens, report, quarantine, metrics)
+    more = {"react": (react_demos, react_pairs)} if react_demos or react_pairs else None
+    res = gate(demos, pairs_dir, p.validate_.max_tokens, report, quarantine, metrics, more)
     for name, r in res.items():
         typer.echo(f"{name}: {r['rows']} rows, {r['expectations']} expectations, all passed")
 
@@ -436,6 +464,7 @@ def grpo(
     mode: str = typer.Option("inline", help="the harness the rollouts act through: inline | env_only (plain GRPO)"),
     without: str = typer.Option("", help="harness modules switched off, comma-separated: belief, progress, experience (ablations)"),
     reward: str = typer.Option("cost-aware", help="cost-aware (the paper's composite reward) | success (10 for a win, nothing else)"),
+    seed: Optional[int] = typer.Option(None, help="override params seed (bench/grpo_seeds.py trains one model per seed)"),
     params: str = PARAMS,
 ):
     """Cost-aware GRPO with TRL GRPOTrainer: groups of rollouts of one game on the real engine."""
@@ -458,8 +487,9 @@ def grpo(
     rc = p.episode.reward.model_copy(update={"updates": steps or prof.grpo.steps})
     if reward == "success":
         rc = rc.model_copy(update={"eff": 0.0, "div_max": 0.0, "spam": 0.0, "inv": 0.0})
-    r = train_grpo(games_root, sft_dir, bank if mode != "env_only" else None, out, prof, rc, p.seed, p.workers, steps, checkpoints, curve, timing,
-                   harness=harness)
+    r = train_grpo(games_root, sft_dir, bank if mode != "env_only" else None, out, prof, rc, p.seed if seed is None else seed, p.workers, steps,
+                   checkpoints, curve, timing,
+                   harness=harness, consolidator=p.consolidator.endpoint)
     _finish_process(metrics, r)
     last = r["last"] or {}
     _main_echo(f"grpo: {r['steps']} updates, {r['episodes']} episodes; last step success {last.get('success')} calls {last.get('calls_per_episode')}")

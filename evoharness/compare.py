@@ -32,7 +32,9 @@ LINEUP = (
 
 
 def per_family(games, n: int):
-    """The first n games of each family (by id): every family equally represented."""
+    """The first n games of each family (by id): every family equally represented (0: every game)."""
+    if n <= 0:
+        return list(games)
     out, seen = [], {}
     for g in games:
         if seen.get(g.family, 0) < n:
@@ -108,8 +110,13 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
     from evoharness.training.checkpoint import check_checkpoint, resolve_checkpoint, weights_digest
     from evoharness.training.distributed import check_machine
 
+    from evoharness.episode import bank_digest
+    from evoharness.evaluate import evaluate_evolving
+    from evoharness.harness.consolidate import make_consolidator
+
     p = load_params(params_path)
     bank = Experience.load(bank_path)
+    consolidator = make_consolidator(p.consolidator.endpoint) if p.eval.bank == "evolve" else None
     out = Path(out)
     check_machine(profile.model_copy(update={"num_processes": 1}))  # evaluation uses one GPU
     results: dict = {}
@@ -124,19 +131,27 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
             digests[label] = weights_digest(path)
             cfg, spec = eval_setup(p, profile, path, mode)
             results[label] = {}
+            # GRPO evolved its own bank; the others read the teacher's. The bank evaluated with is kept beside the
+            # results (a DVC output, logged on the model version): the agent is its weights and its bank.
+            own = path / "experience.json"
+            b = (Experience.load(own) if own.exists() else bank) if mode != "env_only" else None
+            banks = {"bank_mode": p.eval.bank if b is not None else "none", "bank_digest": bank_digest(b)}
+            if b is not None:
+                b.save(out / label / "bank.json")
             try:
                 for split in ("valid_seen", "valid_unseen"):
                     games = per_family(list_games(games_root, split), profile.eval_games_per_family)
-                    # GRPO evolved its own bank; the others read the teacher's.
-                    own = path / "experience.json"
-                    b = Experience.load(own) if own.exists() else bank
-                    r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers,
-                                 b if mode != "env_only" else None, pool=pool)
+                    if b is not None and p.eval.bank == "evolve":  # each split evolves its own copy from the model's bank
+                        r = evaluate_evolving(games, spec, cfg, list(p.eval.seeds), out / label / split, Experience.from_json(b.to_json()),
+                                              p.consolidator.window, consolidator, profile.episode_workers, pool, warn=echo)
+                        banks[f"bank_final_digest_{split}"] = r["bank_digest"]
+                    else:
+                        r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers, b, pool=pool)
                     results[label][split] = r["summary"]
                     echo(format_table(f"{label} {split}", r["summary"]))
             finally:  # the next model's engine needs the memory this one holds
                 release(str(path))
-            atomic.write_json(out / label / "results.json", {**results[label], "model_digest": digests[label]}, indent=2)
+            atomic.write_json(out / label / "results.json", {**results[label], "model_digest": digests[label], **banks}, indent=2)
     table = comparison_table(results) + "\n\n" + claims(results)
     (out / "comparison.md").write_text(table + "\n")
     echo(table)

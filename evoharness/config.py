@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -57,6 +58,34 @@ class GrpoGamesParams(_Strict):
         return v
 
 
+OFFICIAL_PANEL = {  # ALFWorld's valid splits, games per task type
+    "valid_seen": {"pick_and_place_simple": 35, "pick_clean_then_place_in_recep": 27, "pick_heat_then_place_in_recep": 16,
+                   "pick_cool_then_place_in_recep": 25, "look_at_obj_in_light": 13, "pick_two_obj_and_place": 24},
+    "valid_unseen": {"pick_and_place_simple": 24, "pick_clean_then_place_in_recep": 31, "pick_heat_then_place_in_recep": 23,
+                     "pick_cool_then_place_in_recep": 21, "look_at_obj_in_light": 18, "pick_two_obj_and_place": 17},
+}
+
+
+class PanelParams(_Strict):
+    """The evaluation panel the evaluate stage, the baselines and the gate use (stage ``panel``): generated once at the
+    official splits' size and composition, from its own seed, sharing no PDDL problem with ``games`` (the dev panel and
+    the demos' games) or ``grpo_games``; ``digest`` pins it (a generator that would make another panel fails the stage)."""
+    seed: int = 2608
+    per_family: dict[str, dict[str, int]] = Field(default_factory=lambda: {k: dict(v) for k, v in OFFICIAL_PANEL.items()})
+    digest: str = Field("", description="sha256 of the panel's files (the panel stage prints it); empty: not pinned")
+
+    @field_validator("per_family")
+    @classmethod
+    def _counts(cls, v: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        if set(v) - {"valid_seen", "valid_unseen"}:
+            raise ValueError(f"only valid_seen and valid_unseen (got {sorted(v)})")
+        for split, fams in v.items():
+            bad = [f for f in fams if f not in FAMILIES]
+            if bad or any(not isinstance(n, int) or n < 0 for n in fams.values()):
+                raise ValueError(f"{split}: families must be known ({bad}) and counts whole numbers >= 0")
+        return v
+
+
 class DemosParams(_Strict):
     n: int = Field(96, ge=1)
     noise: float = Field(0.3, ge=0.0, le=1.0)
@@ -76,6 +105,28 @@ class ValidateParams(_Strict):
 class EvalParams(_Strict):
     seeds: list[int] = Field(default_factory=lambda: [0])
     baselines: list[str] = Field(default_factory=lambda: ["teacher", "random"])
+    bank: Literal["frozen", "evolve"] = Field("frozen", description="the Experience bank during evaluation: frozen (the reported "
+                                              "figures), or evolved between windows of consolidator.window episodes (checkpointed, resumable)")
+
+
+class ConsolidatorParams(_Strict):
+    """Who edits the Experience bank between GRPO batches and between evolving evaluation's windows."""
+    endpoint: str = Field("rules", description="rules; chat:base_url=...,model=...[,api_key_env=VAR] (any OpenAI-compatible server); "
+                          "hf:path=<checkpoint> (a local model, the student)")
+    window: int = Field(20, ge=1, description="evolving evaluation: episodes per consolidation")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if v == "rules":
+            return v
+        kind, _, rest = v.partition(":")  # the policy spec's shape (policies.spec parses it fully where it is used)
+        opts = dict(item.partition("=")[::2] for item in filter(None, rest.split(",")))
+        if kind not in ("chat", "hf"):
+            raise ValueError(f"expected rules, chat:... or hf:... (got {kind!r})")
+        if kind == "chat" and not (opts.get("base_url") and opts.get("model")) or kind == "hf" and not opts.get("path"):
+            raise ValueError("chat needs base_url and model, hf needs path")
+        return v
 
 
 POOL_STAGES = ["base_model", "sft_inline", "sft_env_only", "grpo", "evaluate"]
@@ -91,6 +142,9 @@ class PoolParams(_Strict):
                            "orchestrator declares it lost only this long (plus a margin) after the server is back")
     time_limit_s: dict[str, dict[str, float]] = Field(default_factory=dict, description="per profile, per stage (key 'default': every other "
                                                       "stage): a job running longer is killed and the retrain fails")
+    stay_on_remote: list[str] = Field(default_factory=lambda: ["data/models"],
+                                      description="outputs a pool retrain never pulls onto the scheduler (the weights): they stay on the DVC remote "
+                                      "and the boxes, and the gate reads the evaluation, the config and the DVC hashes that bind them")
 
     @field_validator("time_limit_s")
     @classmethod
@@ -114,11 +168,13 @@ class Params(_Strict):
     workers: int = Field(2, ge=1)
     games: GamesParams = GamesParams()
     grpo_games: GrpoGamesParams = GrpoGamesParams()
+    panel: PanelParams = PanelParams()
     episode: EpisodeConfig = EpisodeConfig()
     demos: DemosParams = DemosParams()
     pairs: PairsParams = PairsParams()
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
     eval: EvalParams = EvalParams()
+    consolidator: ConsolidatorParams = ConsolidatorParams()
     pool: PoolParams = PoolParams()
 
 

@@ -150,3 +150,74 @@ def evaluate(
     }
     atomic.write_json(out_dir / "results.json", result, indent=2)
     return result
+
+
+def evaluate_evolving(
+    games: list[Game],
+    spec: PolicySpec,
+    cfg: EpisodeConfig,
+    seeds: list[int],
+    out_dir: Path,
+    bank: Experience,
+    window: int,
+    consolidator=None,
+    workers: int = 2,
+    pool: EnvPool | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluation with an evolving Experience bank: the episodes go in windows of ``window`` (per seed, games in
+    order); each window is a frozen evaluation with the bank as the windows before it left it, and then its
+    trajectories are consolidated (``consolidator``: rules when None, else an endpoint) into the next bank. The
+    bank after window k is checkpointed (``banks/after-w<k>.json``) before window k+1 starts, so a killed run
+    resumes from its last bank, not the seed bank, and replays no finished episode (each window reuses its
+    episodes by fingerprint, as ``evaluate`` does)."""
+    from evoharness.episode import bank_digest
+    from evoharness.harness.consolidate import consolidate
+
+    if window < 1:
+        raise ValueError(f"evolving evaluation: window must be at least 1 (got {window})")
+    out_dir = Path(out_dir)
+    banks = out_dir / "banks"
+    banks.mkdir(parents=True, exist_ok=True)
+    start = bank_digest(bank)
+    windows = [(s, games[i:i + window]) for s in seeds for i in range(0, len(games), window)]
+    records, log, resumed_at = [], [], None
+    for k, (seed, chunk) in enumerate(windows):
+        wdir = out_dir / "windows" / f"w{k:03d}"
+        evaluate(chunk, spec, cfg, [seed], wdir, workers, bank, pool=pool)
+        mine = {(g.id, seed) for g in chunk}
+        got = [r for r in read_jsonl(wdir / "episodes.jsonl")[0] if (r.get("game_id"), r.get("seed")) in mine]
+        records += got
+        ckpt = banks / f"after-w{k:03d}.json"
+        if ckpt.exists():  # consolidated before this run was killed: the bank it left, not a second consolidation
+            bank = Experience.load(ckpt)
+            resumed_at = k
+            log.append(json.loads(ckpt.with_suffix(".edits.json").read_text()) if ckpt.with_suffix(".edits.json").exists() else {"window": k})
+            continue
+        edits = consolidate(bank, got, consolidator, warn)
+        log.append({"window": k, "applied": sum(str(e.get("result", "")).startswith("applied") for e in edits),
+                    "refused": [e["result"] for e in edits if e.get("op") == "none"]})
+        atomic.write_json(ckpt.with_suffix(".edits.json"), log[-1])
+        bank.save(ckpt)  # last: its existence says the window is consolidated
+    records.sort(key=lambda r: (r["game_id"], r["seed"]))
+    atomic.write_text(out_dir / "episodes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))  # the gate's evidence
+    bank.save(out_dir / "bank-final.json")
+    policy = make_policy(spec)
+    result = {
+        "policy": policy.name,
+        "policy_fingerprint": policy.fingerprint(),
+        "episode_config": cfg.model_dump(),
+        "split": sorted({g.split for g in games}),
+        "seeds": seeds,
+        "games": len(games),
+        "bank_mode": "evolve",
+        "window": window,
+        "windows": len(windows),
+        "bank_start_digest": start,
+        "bank_digest": bank_digest(bank),
+        "resumed_after_window": resumed_at,
+        "consolidations": log,
+        "summary": summarize(records),
+    }
+    atomic.write_json(out_dir / "results.json", result, indent=2)
+    return result

@@ -182,7 +182,7 @@ def conditions_of(result: dict, records: list[dict], games_md5: str) -> dict:
         "seeds": ",".join(str(s) for s in result.get("seeds") or []),
         "max_steps": str(cfg.get("max_steps")),
         "max_turns": str(cfg.get("max_turns")),
-        "mode": str(h.get("mode")),
+        "mode": str(h.get("mode")) + ("+evolve" if result.get("bank_mode") == "evolve" else ""),  # an evolving bank is another condition
         "charge_meta_actions": str(h.get("charge_meta_actions")).lower(),
         "decoding": parts[6] if len(parts) > 6 else "n/a",
         "sampling": f"{parts[3]}:{parts[4]}" if len(parts) > 4 else "n/a",
@@ -497,7 +497,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evide
     return finalize(c, name, d, record(d) if record else None)
 
 
-def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
+def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
              curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None) -> Decision:
     """Register the candidate (once per DVC hash), decide, tag, describe, write the report, and leave the
     decision ``pending``: no alias moves until ``finalize``. A version left pending by an interrupted gate
@@ -505,12 +505,13 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
     from mlflow.exceptions import MlflowException
 
     if not model_digest:
-        raise EvoError(f"promotion: the candidate's evaluation names no model_digest, so nothing binds it to {model_dir}; re-run evaluate")
-    from evoharness.training.checkpoint import weights_digest
+        raise EvoError(f"promotion: the candidate's evaluation names no model_digest, so nothing binds it to {model_dir or model_md5}; re-run evaluate")
+    if model_dir is not None:  # the weights are here: they must be the ones evaluated (else dvc.lock's hashes bind them: the caller)
+        from evoharness.training.checkpoint import weights_digest
 
-    here = weights_digest(model_dir)
-    if here != model_digest:
-        raise EvoError(f"promotion: {model_dir} holds weights {here}, but evaluation loaded {model_digest}; re-run evaluate")
+        here = weights_digest(model_dir)
+        if here != model_digest:
+            raise EvoError(f"promotion: {model_dir} holds weights {here}, but evaluation loaded {model_digest}; re-run evaluate")
     try:
         c.get_registered_model(name)
     except MlflowException as e:
@@ -548,13 +549,19 @@ def register(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: E
     report_dir.mkdir(parents=True, exist_ok=True)
     atomic.write_json(report_dir / "evidence.json", cand.to_json(), indent=1)
     if mv is None:
-        model_dir = Path(model_dir)
-        files = [f for f in sorted(model_dir.rglob("*")) if f.is_file()]
-        if not log_weights:
-            files = [f for f in files if not f.name.endswith((".safetensors", ".bin", ".pt"))]
-        for f in files:
-            rel = f.relative_to(model_dir).parent.as_posix()
-            c.log_artifact(run_id, str(f), "model" + ("" if rel == "." else f"/{rel}"))
+        if model_dir is None:  # the weights stayed on the DVC remote: the version points there
+            log_weights = False
+            atomic.write_text(report_dir / "dvc-pointer.yaml", yaml.safe_dump({"path": "data/models/grpo", "md5": model_md5, "model_digest": model_digest,
+                                                                                "restore": "dvc pull data/models/grpo (at this version's git_ref)"}, sort_keys=False))
+            c.log_artifact(run_id, str(report_dir / "dvc-pointer.yaml"), "model")
+        else:
+            model_dir = Path(model_dir)
+            files = [f for f in sorted(model_dir.rglob("*")) if f.is_file()]
+            if not log_weights:
+                files = [f for f in files if not f.name.endswith((".safetensors", ".bin", ".pt"))]
+            for f in files:
+                rel = f.relative_to(model_dir).parent.as_posix()
+                c.log_artifact(run_id, str(f), "model" + ("" if rel == "." else f"/{rel}"))
         c.log_artifact(run_id, str(report_dir / "evidence.json"), "promotion")
         source = f"{c.get_run(run_id).info.artifact_uri}/model"
         mv = c.create_model_version(name, source=source, run_id=run_id, description=f"GRPO model, DVC md5 {model_md5} (decision pending)",

@@ -113,24 +113,46 @@ def clear_stale_locks(root: Path) -> list[int]:
     return unlock(root)
 
 
-def stage_up_to_date(root: Path, stage: str) -> bool:
-    """DVC finds the stage's deps, params and outputs here as its dvc.lock entry names them."""
+def under(path: str, prefixes) -> bool:
+    return any(path == p.rstrip("/") or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def changes(root: Path, target: str, remote_only=()) -> dict:
+    """``dvc status --json`` of a stage (or a dvc.yaml), less what is left on the remote on purpose: an output or
+    dep under ``remote_only`` that is absent here altogether ("deleted", "not in cache"; a pool retrain never
+    pulls the weights, ``pool.stay_on_remote``). Anything else (a modified file, a file half there) still counts."""
+    out = dvc(["status", target, "--json"], root)
+    try:
+        status = json.loads(out or "{}")
+    except ValueError:
+        return {"?": out}
+    kept = {}
+    for name, items in status.items():
+        left = []
+        for item in items if isinstance(items, list) else [items]:
+            if isinstance(item, dict):
+                item = {kind: {path: state for path, state in (paths or {}).items()
+                               if not (under(path, remote_only) and state in ("deleted", "not in cache") and not (Path(root) / path).exists())}
+                        if isinstance(paths, dict) else paths for kind, paths in item.items()}
+                item = {kind: paths for kind, paths in item.items() if paths}
+                if not item:
+                    continue
+            left.append(item)
+        if left:
+            kept[name] = left
+    return kept
+
+
+def stage_up_to_date(root: Path, stage: str, remote_only=()) -> bool:
+    """DVC finds the stage's deps, params and outputs here as its dvc.lock entry names them (those under
+    ``remote_only`` may be on the remote only)."""
     if stage not in (parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}):
         return False
-    out = dvc(["status", stage, "--json"], root)
-    try:
-        changed = json.loads(out or "{}")
-    except ValueError:
-        return False
-    return not {k for k in changed if k == stage or k.endswith(f":{stage}")}
+    return not {k for k in changes(root, stage, remote_only) if k == stage or k.endswith(f":{stage}")}
 
 
-def up_to_date(root: Path) -> bool:
-    out = dvc(["status", "dvc.yaml", "--json"], root)  # the main pipeline (ablation/dvc.yaml runs apart)
-    try:
-        return json.loads(out or "{}") == {}
-    except ValueError:
-        return False
+def up_to_date(root: Path, remote_only=()) -> bool:
+    return changes(root, "dvc.yaml", remote_only) == {}  # the main pipeline (ablation/dvc.yaml runs apart)
 
 
 def run_here(root: Path, stage: str) -> StageResult:
@@ -410,9 +432,10 @@ def check_lock_entry(root: Path, stage: str, entry) -> None:
         raise bad("has params that are not a mapping")
 
 
-def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None) -> dict[str, str]:
-    """Record a job's lock entry here and pull its outputs by the hashes it names; then DVC must
-    agree the stage is up to date (same commit, same inputs), else the job ran something else."""
+def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = None, remote_only=()) -> dict[str, str]:
+    """Record a job's lock entry here and pull its outputs by the hashes it names (all but those under
+    ``remote_only``: they stay on the remote); then DVC must agree the stage is up to date (same commit, same
+    inputs), else the job ran something else."""
     check_lock_entry(root, stage, entry)
     if not entry.get("outs"):
         raise EvoError(f"job for stage {stage!r} returned no outputs in its dvc.lock entry")
@@ -423,13 +446,10 @@ def receive(root: Path, stage: str, entry: dict, files: dict[str, str] | None = 
         (Path(root) / path).parent.mkdir(parents=True, exist_ok=True)
         (Path(root) / path).write_text(text)
     merge_lock_entry(root, stage, entry)
-    dvc(["pull", stage], root)
-    out = dvc(["status", stage, "--json"], root)
-    try:
-        changed = json.loads(out or "{}")
-    except ValueError:
-        changed = {"?": out}
-    changed = {k: v for k, v in changed.items() if k == stage or k.endswith(f":{stage}")}
+    wanted = [o["path"] for o in entry["outs"] if o["path"] not in uncached and not under(o["path"], remote_only)]
+    if wanted:
+        dvc(["pull", *wanted], root)
+    changed = {k: v for k, v in changes(root, stage, remote_only).items() if k == stage or k.endswith(f":{stage}")}
     if changed:
         raise EvoError(f"stage {stage!r}: the job's outputs do not match this checkout ({json.dumps(changed)[:300]}); was the job run on another commit?")
     return {o["path"]: o.get("md5", "") for o in entry["outs"]}

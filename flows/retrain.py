@@ -145,7 +145,8 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
             if slot.previous:  # its holder died holding it: close what it left open
                 tr.close_orphan(str(rootp), slot.previous, log.info)
             slot.mark(parent_run_id=parent_f.result(), flow_run_id=str(flow_run.id) if flow_run.id else None)
-            all_cached = st.pipeline_up_to_date(str(rootp))
+            remote_only = p.pool.stay_on_remote if pool else []  # the weights stay on the remote and the boxes
+            all_cached = st.pipeline_up_to_date(str(rootp), remote_only)
             ran, cached = [], []
 
             def done(res: stagerun.StageResult) -> None:
@@ -168,7 +169,8 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
                     key = f"{flow_run.id or id(group)}:{','.join(group)}"
                     futures = [st.dispatch_stage.submit(str(rootp), s, deployment or f"train-stage/train-stage-{pool}", pool,
                                                         {"silence_s": p.pool.silence_s, "fence_s": p.pool.fence_s,
-                                                         "time_limit_s": p.pool.time_limit(profile, s)}, poll_s, key) for s in group]
+                                                         "time_limit_s": p.pool.time_limit(profile, s), "stay_on_remote": remote_only},
+                                                        poll_s, key) for s in group]
                     # The first failure stops the group: jobs not started are cancelled, running ones are left to a rerun.
                     # Waited on locally (never a future's .state while it runs: that asks the Prefect server, which
                     # may be away for minutes while the jobs go on).
@@ -202,7 +204,7 @@ def retrain(root: str = ".", params: str = "params.yaml", pool: str | None = Non
             st.check_on_remote(str(rootp))  # the record names only what the remote holds
             parent = parent_f.result()
             with tr.gate_slot(str(rootp), params, profile, log.info):  # one decision on this model at a time, anywhere
-                decision = tr.promote(str(rootp), parent, params, profile)  # decided, not yet final: no alias has moved
+                decision = tr.promote(str(rootp), parent, params, profile, remote_only)  # decided, not yet final: no alias has moved
                 summary = {"ran": ",".join(ran) or "none", "cached": ",".join(cached) or "none", "decision": decision["decision"],
                            "model_version": str(decision["version"]), "seconds": f"{time.time() - t0:.1f}"}
                 rec = tr.record(str(rootp), parent, {**summary, "profile": profile})  # the git record of exactly what ran

@@ -136,7 +136,7 @@ def validate_stage(root: str, stage: str = "validate") -> stagerun.StageResult:
         return stagerun.run_here(root_p, stage)
     except EvoError as e:
         md = ["# Validation failed: the flow stopped", "", f"`{e}`", ""]
-        for name in ("trajectories", "pairs"):
+        for name in ("trajectories", "pairs", "trajectories_react", "pairs_react"):
             p = root_p / "data" / "validation" / f"{name}.json"
             if not p.exists():
                 continue
@@ -323,16 +323,17 @@ _CHECKOUT = threading.Lock()
 @task(name="dispatch-stage", task_run_name="{stage} on pool {pool}", cache_policy=NO_CACHE)
 def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: dict, poll_s: float = 5.0, group: str | None = None) -> stagerun.StageResult:
     """Hand the stage to a work pool's deployment and watch it; then receive its outputs by hash.
-    limits: silence_s, fence_s, time_limit_s (from params' ``pool``). A job already dispatched for the same
+    limits: silence_s, fence_s, time_limit_s, stay_on_remote (from params' ``pool``). A job already dispatched for the same
     commit, stage and inputs (by a retrain whose orchestrator died) is adopted, never duplicated."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
     log = get_run_logger()
     root_p = Path(root)
+    remote_only = list(limits.get("stay_on_remote") or [])
     t0 = time.time()
     with _CHECKOUT:
-        if stagerun.stage_up_to_date(root_p, stage):  # made before (a rerun after a failure): no job is needed
+        if stagerun.stage_up_to_date(root_p, stage, remote_only):  # made before (a rerun after a failure): no job is needed
             log.info(f"{stage}: up to date here (dvc status): nothing to dispatch")
             return stagerun.StageResult(stage, False, round(time.time() - t0, 2), stagerun.lock_entry(root_p, stage), where="up to date here")
         spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
@@ -365,7 +366,7 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
                        f"flow run {fr.name} ({fr.id}) has its logs")
     job = _job_result(fr.id)
     with _CHECKOUT:
-        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {})
+        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {}, remote_only)
     log.info(f"{stage}: received {outs} from job {fr.id} on {_box(fr)}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}",
                                 machine=str(job.get("machine") or ""))
@@ -385,14 +386,15 @@ def check_on_remote(root: str) -> None:
         missing = json.loads(out or "{}")
     except ValueError:
         raise EvoError(f"dvc status --cloud in {root} answered something other than JSON ({out[:200]!r}); the run is not recorded") from None
+    missing = {path: state for path, state in missing.items() if state != "deleted"}  # "deleted": on the remote, not here (the weights)
     if missing:
         raise EvoError(f"{len(missing)} output(s) of this run are not on the DVC remote after the push ({', '.join(sorted(missing)[:5])}); "
                        "the run is not recorded: rerun the retrain once the remote accepts them")
 
 
 @task(name="dvc-status", cache_policy=NO_CACHE)
-def pipeline_up_to_date(root: str) -> bool:
-    return stagerun.up_to_date(Path(root))
+def pipeline_up_to_date(root: str, remote_only: list[str] | None = None) -> bool:
+    return stagerun.up_to_date(Path(root), remote_only or ())
 
 
 def publish(res: stagerun.StageResult, metrics: dict | None, root: str | None = None) -> None:

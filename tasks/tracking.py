@@ -223,19 +223,26 @@ def gate_slot(root: str, params_path: str, profile: str, log=print) -> Iterator[
 
 
 @task(name="promotion-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=3)
-def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
+def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remote_only: list[str] | None = None) -> dict:
     """The gate on the evaluated GRPO model: register and decide, leaving the decision pending until
-    ``finalize`` (after the git record). A retry, or a later retrain of the same model, completes the
-    decision a failed attempt left pending (``promotion.register``), never reports one it did not make."""
+    ``finalize`` (after the git record). A retry, or a later retrain of the same model, completes the decision a
+    failed attempt left pending (``promotion.register``), never reports one it did not make. In a pool retrain
+    the weights stay on the remote (``pool_remote_only``): dvc.lock binds the evaluation to them (evaluate's dep
+    hash is grpo's output hash, the version's dvc_md5)."""
     from evoharness import promotion
 
     rootp = Path(root)
+    pool_remote_only = list(pool_remote_only or [])
     pp, thresholds = promotion.load_promotion(rootp / params_path, profile)
     c = tracking.client(rootp)
     name = promotion.registered_name(pp, profile)
     grpo = stagerun.lock_entry(rootp, "grpo")
     md5 = next((o["md5"] for o in grpo.get("outs", []) if o["path"] == "data/models/grpo"), "")
-    games_md5 = next((o["md5"] for o in stagerun.lock_entry(rootp, "games").get("outs", []) if o["path"] == "data/games"), "")
+    games_md5 = next((o["md5"] for o in stagerun.lock_entry(rootp, "panel").get("outs", []) if o["path"] == "data/panel"), "")  # the games the gate decides on
+    evaluated = next((d_.get("md5") for d_ in stagerun.lock_entry(rootp, "evaluate").get("deps", []) if d_.get("path") == "data/models/grpo"), None)
+    if not md5 or evaluated != md5:  # the binding that holds where the weights are not here (a pool retrain's scheduler)
+        raise EvoError(f"promotion: dvc.lock in {rootp} says evaluate read data/models/grpo {evaluated or 'none'} but grpo made {md5 or 'none'}; "
+                       "re-run evaluate: nothing was registered")
     cand, refs = _evidence(rootp, params_path, games_md5, thresholds)
     results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
     parent = c.get_run(parent_id)
@@ -248,9 +255,18 @@ def promote(root: str, parent_id: str, params_path: str, profile: str) -> dict:
                                  "dvc.dep.data/models/grpo": md5})
         run_id = run.info.run_id
     report_dir = rootp / "reports" / "promotion" / md5[:12]
-    d = promotion.register(c, name, run_id, rootp / "data" / "models" / "grpo", md5, cand, refs, thresholds,
+    model_dir = rootp / "data" / "models" / "grpo"
+    if not model_dir.exists() and not stagerun.under("data/models/grpo", pool_remote_only):
+        raise EvoError(f"promotion: {model_dir} is missing (dvc pull it, or run the retrain again); nothing was registered")
+    d = promotion.register(c, name, run_id, model_dir if model_dir.exists() else None, md5, cand, refs, thresholds,
                            list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"))
     if not d.reused:
+        # The agent is its weights and its bank: the bank it was evaluated (and is promoted) with, by digest, on the version.
+        bank_file = rootp / "data" / "eval" / promotion.CANDIDATE / "bank.json"
+        if bank_file.exists():
+            c.log_artifact(run_id, str(bank_file), "model")
+        for k in ("bank_digest", "bank_mode"):
+            c.set_model_version_tag(name, d.version, k, str(results.get(k, "unknown")))
         c.set_terminated(run_id, "FINISHED")
     md_path = report_dir / "promotion.md"
     md = md_path.read_text() if md_path.exists() and not d.reused else f"# {name} version {d.version}: {d.word} (decided before; reused)\n\n" + "\n".join(f"- {r}" for r in d.reasons)

@@ -87,6 +87,39 @@ class _Chat(BaseHTTPRequestHandler):
         pass
 
 
+class _Consolidator(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat endpoint answering each call with the next of ``server.replies``: a string (the
+    completion's content), a callable of the call's number returning one, or (status, raw body). While
+    ``server.hold`` is set, a call numbered ``server.hold_from`` or later waits (a consolidator that hangs)."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        srv.seen.append((self.headers.get("Authorization"), body))
+        n = len(srv.seen)
+        while srv.hold.is_set() and n >= srv.hold_from:
+            time.sleep(0.05)
+        reply = srv.replies[min(n, len(srv.replies)) - 1]
+        reply = reply(n) if callable(reply) else reply
+        status, data = reply if isinstance(reply, tuple) else (200, json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode())
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def start_consolidator(replies: list) -> ThreadingHTTPServer:
+    """A consolidator endpoint on loopback (``_Consolidator``); ``.seen``: (Authorization, body) per call."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Consolidator)
+    srv.seen, srv.replies, srv.hold, srv.hold_from = [], list(replies), threading.Event(), 1
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
 def start_chat() -> ThreadingHTTPServer:
     """The chat endpoint on loopback, served by a thread of this process; ``.seen``: (Authorization, body) per call."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Chat)

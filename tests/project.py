@@ -19,6 +19,9 @@ MICRO = {
     "workers": 2,
     "games": {"per_family": {"train": 1, "valid_seen": 1, "valid_unseen": 1}, "max_per_type": 3, "distractors": 2},
     "grpo_games": {"seed": 4, "per_family": {"train": 1}},
+    "panel": {"seed": 6, "per_family": {s: {f: 1 for f in ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+                                                        "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")}
+                                        for s in ("valid_seen", "valid_unseen")}},
     "episode": {"max_steps": 40},
     "demos": {"n": 6, "noise": 0.2, "batch_size": 6},
     "pairs": {"val_fraction": 0.2, "few_shot": 0},

@@ -27,7 +27,7 @@ def repo(tmp_path_factory):
     return make_project(tmp_path_factory.mktemp("dvcrepo"), MICRO)
 
 
-DATA = ["validate", "baselines"]  # with their upstream: games, demos, pairs
+DATA = ["validate", "baselines"]  # with their upstream: games, grpo_games, panel, demos, pairs and the ReAct demos and pairs
 
 
 def _ran(out: str) -> set[str]:
@@ -36,7 +36,7 @@ def _ran(out: str) -> set[str]:
 
 def test_repro_builds_the_pipeline_and_a_second_repro_does_nothing(repo):
     out = dvc(["repro", *DATA], repo)
-    assert _ran(out) == {"games", "demos", "pairs", "validate", "baselines"}
+    assert _ran(out) == {"games", "grpo_games", "panel", "demos", "pairs", "demos_react", "pairs_react", "validate", "baselines"}
     for p in ("data/games/valid_unseen", "data/demos/demos.jsonl", "data/pairs/train.parquet", "data/metrics/validation.json"):
         assert (repo / p).exists(), p
     git(["add", "-A"], repo)
@@ -58,7 +58,7 @@ def test_changing_one_param_reruns_only_its_dependents(repo):
     diff = dvc(["params", "diff"], repo)
     assert "pairs.val_fraction" in diff and "0.2" in diff and "0.5" in diff
     out = dvc(["repro", *DATA], repo)
-    assert _ran(out) == {"pairs", "validate"}
+    assert _ran(out) == {"pairs", "pairs_react", "validate"}
     git(["add", "-A"], repo)
     commit(repo, "-q", "-m", "val 0.5")
 
@@ -136,14 +136,14 @@ def test_reproduce_by_hash_reports_identical_hashes(repo):
     assert found == git(["rev-parse", "HEAD"], repo) and "data/pairs" in how
     lines = []
     rows = reproduce(pairs_md5[:10], repo, echo=lines.append)
-    assert {r["stage"] for r in rows} == {"games", "demos", "pairs", "validate", "baselines"}
+    assert {r["stage"] for r in rows} == {"games", "grpo_games", "panel", "demos", "pairs", "demos_react", "pairs_react", "validate", "baselines"}
     assert {r["path"] for r in rows} >= {"data/games", "data/demos", "data/pairs", "data/baselines", "data/metrics/validation.json"}
     assert all(r["match"] for r in rows), [r for r in rows if not r["match"]]
     assert any("yes" in ln for ln in lines) and git(["worktree", "list"], repo).count("\n") == 0
     # One stage alone, on its recorded inputs; a stage the record does not hold is named with the ones it does.
     rows = reproduce("HEAD", repo, echo=lines.append, stages=["pairs"])
     assert {r["stage"] for r in rows} == {"pairs"} and "data/pairs" in {r["path"] for r in rows} and all(r["match"] for r in rows), rows
-    with pytest.raises(EvoError, match=r"recorded no stage sft_inline; its stages: games, demos, pairs"):
+    with pytest.raises(EvoError, match=r"recorded no stage sft_inline; its stages: games, grpo_games, panel, demos, pairs, demos_react"):
         reproduce("HEAD", repo, echo=lines.append, stages=["sft_inline"])
     # This environment is the one the commit's constraints.txt pins; another pin is refused in one line.
     (repo / "constraints.txt").write_text((repo / "constraints.txt").read_text().replace("mlflow==", "mlflow==0.0.1\n# was mlflow=="))
@@ -307,3 +307,30 @@ def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, 
     assert find_record(run.info.run_id, repo) == (head, f"MLflow run {run.info.run_id} (its git_commit tag: no record of it in git)")
     with pytest.raises(EvoError, match=r"is neither a retrain's MLflow run id .* nor a git ref, nor an output hash"):
         find_record("0" * 32, repo)
+
+
+def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_path):
+    """A pool retrain's scheduler never pulls the weights (pool.stay_on_remote): an output under such a path that
+    is absent here, and a dep on it, are up to date; the same output half there, or changed, is not."""
+    from evoharness import stagerun
+
+    root = tmp_path / "p"
+    root.mkdir()
+    git(["init", "-q"], root)
+    dvc(["init", "-q"], root)
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "train": {"cmd": "mkdir -p data/models/m && echo w > data/models/m/w.bin && echo c > data/models/m/config.json", "outs": ["data/models/m"]},
+        "evaluate": {"cmd": "ls data/models/m > data/eval.txt", "deps": ["data/models/m"], "outs": ["data/eval.txt"]}}}))
+    dvc(["repro"], root)
+    assert stagerun.up_to_date(root) and stagerun.changes(root, "dvc.yaml") == {}
+    shutil.rmtree(root / "data" / "models")  # in the cache, not in the workspace: "deleted"
+    assert not stagerun.up_to_date(root)  # plain DVC: the outputs are gone
+    assert stagerun.up_to_date(root, ["data/models"]) and stagerun.stage_up_to_date(root, "evaluate", ["data/models"])
+    assert not stagerun.stage_up_to_date(root, "train", ["data/other"])
+    shutil.rmtree(root / ".dvc" / "cache")  # as on a scheduler that never held them: "not in cache"
+    assert stagerun.stage_up_to_date(root, "train", ["data/models"])
+    assert json.dumps(stagerun.changes(root, "dvc.yaml", ["data/models"])) == '{"evaluate": [{"changed outs": {"data/eval.txt": "not in cache"}}]}'
+    # Half there, or changed: counted, whatever stay_on_remote says.
+    (root / "data" / "models" / "m").mkdir(parents=True)
+    (root / "data" / "models" / "m" / "config.json").write_text("c\n")
+    assert not stagerun.stage_up_to_date(root, "train", ["data/models"])

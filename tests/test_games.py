@@ -134,7 +134,7 @@ def test_grpo_games_section_and_bad_input(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "none: no games to stay disjoint from" in r.stderr, r.stderr
     r = subprocess.run(cli + ["--section", "gmaes", "--out", str(tmp_path / "g")], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.strip() == "error: --section: unknown section 'gmaes' (known: games, grpo_games)", r.stderr
+    assert r.returncode == 2 and r.stderr.strip() == "error: --section: unknown section 'gmaes' (known: games, grpo_games, panel)", r.stderr
     assert not (tmp_path / "g").exists()
 
 

@@ -69,8 +69,8 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     line = _line(r.stdout, "stages run:")
     # The killed SFT resumes from its checkpoint, or, if it had finished just before the kill, DVC
     # restores it from its run cache: either way nothing that finished runs again.
-    assert (line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, demos, pairs, validate, baselines, base_model")
-            or line.startswith("stages run: sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, demos, pairs, validate, baselines, base_model, sft_inline")), line
+    assert (line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model")
+            or line.startswith("stages run: sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model, sft_inline")), line
     sft = json.loads((project / "data" / "metrics" / "sft-inline.json").read_text())
     assert sft["resumed_from"] is not None or "sft_inline" not in line.split(";")[0], sft
     assert "PROMOTED" in _line(r.stdout, "decision:")
@@ -135,7 +135,7 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(dvc(["status", "--cloud", "--json"], project) or "{}") == {}  # all there again
     assert any(f.exists() for f in objects[::2])  # pushed again (status --cloud above: every output of the run is there)
-    assert _line(r.stdout, "stages run:").startswith("stages run: none; reused from DVC: games, grpo_games, demos")
+    assert _line(r.stdout, "stages run:").startswith("stages run: none; reused from DVC: games, grpo_games, panel, demos")
     assert "decided before; nothing changed" in _line(r.stdout, "decision:")
     print(f"resumed retrain {resumed_s:.0f} s; no-op retrain {noop_s:.1f} s")
     git(["add", "-A"], project)

@@ -106,16 +106,27 @@ def test_micro_grpo_step_with_the_real_trainer(trained, games_root, tmp_path):
 
     prof = Profile(name="t", base=trained["profile"].base, sft=trained["profile"].sft,
                    grpo=GRPOSpec(games_per_step=1, rollouts=2, turns_per_rollout=2, steps=1, max_new_tokens=12, max_steps_per_episode=3, learning_rate=1e-3))
+    from hosts import start_consolidator
+
     bank = tmp_path / "bank.json"
     Experience.seeded().save(bank)
-    r = train_grpo(games_root, trained["dir"] / "sft", bank, tmp_path / "grpo", prof, RewardConfig(updates=1), seed=0, workers=2, steps=1,
-                   curve=tmp_path / "curve.jsonl", timing=tmp_path / "timing.json")
+    # The bank is consolidated between batches by an LLM over HTTP (an OpenAI-compatible server on loopback).
+    srv = start_consolidator([json.dumps([{"op": "add", "category": "notes", "key": "evolver", "text": "a note the evolver wrote"}])])
+    try:
+        r = train_grpo(games_root, trained["dir"] / "sft", bank, tmp_path / "grpo", prof, RewardConfig(updates=1), seed=0, workers=2, steps=1,
+                       curve=tmp_path / "curve.jsonl", timing=tmp_path / "timing.json",
+                       consolidator=f"chat:base_url=http://127.0.0.1:{srv.server_port}/v1,model=evolver")
+    finally:
+        srv.shutdown()
+    assert len(srv.seen) == 1 and "EVIDENCE: " in srv.seen[0][1]["messages"][0]["content"]
     assert r["steps"] == 1 and r["episodes"] == 2 and r["launch"]["processes"] == 1 and r["launch"]["zero_stage"] == 0
     curve = [json.loads(x) for x in (tmp_path / "curve.jsonl").read_text().splitlines()]
     assert len(curve) == 1 and set(curve[0]["reward"]) == {"success", "efficiency", "diversity", "repeats", "invalid", "total"}
     assert set(curve[0]["calls_per_episode"]) == {"track", "commit", "recall", "note"} and curve[0]["diversity_weight"] == 1.0
     assert curve[0]["episode_length"] <= 3  # meta-actions are charged: the budget binds every turn
-    assert Experience.load(tmp_path / "grpo" / "experience.json").updates == 1  # consolidated after the batch
+    evolved = Experience.load(tmp_path / "grpo" / "experience.json")
+    assert evolved.updates == 1 and evolved.entries[-1].text == "a note the evolver wrote"  # consolidated after the batch, by the evolver
+    assert curve[0]["bank_edits"] == {"add": 1} and curve[0]["bank_replies_refused"] == 0
     assert (tmp_path / "grpo" / "config.json").exists() and json.loads((tmp_path / "timing.json").read_text())["seconds"] > 0
 
 

@@ -18,7 +18,9 @@ import time
 import pytest
 import yaml
 
+from evoharness import stagerun
 from evoharness.lineage import dvc, git
+from tasks.stages import _job_result
 from hosts import POOL, cli, job_runs, kill_user, start_chat, start_cli, start_worker, wait_for
 from project import commit, make_shared_project, MICRO
 
@@ -118,7 +120,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     r2 = start_cli(repo, hosts["orch_home"], log2, "run", "--pool", POOL, **hosts["env"])
     try:
         wait_for(lambda: "holding the DVC slot" in log2.read_text(), 300, "the rerun holding the DVC slot", r2, log2)
-        r3 = start_cli(repo, hosts["orch_home"], log3, "run", **hosts["env"])  # a second retrain of the same repository, in-process
+        r3 = start_cli(repo, hosts["orch_home"], log3, "run", "--pool", POOL, **hosts["env"])  # a second retrain of the same repository
         wait_for(lambda: "waiting for the DVC slot" in log3.read_text(), 300, "the second retrain waiting", r3, log3)
         r2.wait(1500)
         r2_end = time.time()
@@ -134,7 +136,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     out2, out3 = log2.read_text(), log3.read_text()
     assert r2.returncode == 0, out2[-4000:]
     line = next(ln for ln in out2.splitlines() if ln.startswith("stages run:"))
-    assert line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, demos, pairs, validate, baselines, base_model"), line
+    assert line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model"), line
     assert "PROMOTED" in out2
     print(f"rerun with a live worker: {r2_end - t0:.0f} s; {line}")
     # The stages ran as fresh jobs on the worker (not the crashed one), from the origin's commit.
@@ -150,9 +152,19 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
         boxes = {t for fr in (a, b) for t in fr.tags if t.startswith("box:")}
         assert boxes == {"box:gpu-box-2", "box:gpu-box-3"}, boxes
         assert "dispatching sft_inline, sft_env_only side by side" in out2
-    assert json.loads(dvc(["status", "--json"], repo) or "{}") == {}  # DVC agrees: every stage is up to date here
+    # DVC agrees every stage is up to date here, but for the weights: they never came to the scheduler (pool.stay_on_remote).
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    status = json.loads(dvc(["status", "--json"], repo) or "{}")
+    assert {p_ for items in status.values() for i in items if isinstance(i, dict) for ps in i.values() for p_ in ps} <= \
+        {o["path"] for st in lock.values() for o in st.get("outs", []) if o["path"].startswith("data/models/")}, status
+    assert stagerun.changes(repo, "dvc.yaml", ["data/models"]) == {}
+    assert not (repo / "data" / "models").exists()
+    weights = [o for st in lock.values() for o in st.get("outs", []) if o["path"].startswith("data/models/")]
+    cloud = json.loads(dvc(["status", "--cloud", "--json"], repo) or "{}")  # "deleted": on the remote, not in this machine's cache
+    assert len(weights) == 4 and any(f.startswith("data/models/grpo/") and f.endswith(".safetensors") for f in cloud), cloud
+    assert set(cloud.values()) == {"deleted"} and all(f.startswith("data/models/") for f in cloud), cloud
     assert (w.home / ".cache" / "evoharness" / "worker").is_dir()  # the jobs' checkouts live in the worker's own home
-    # The second retrain waited for the first, then found nothing to do.
+    # The second retrain (the pool's too) waited for the first, then found nothing to do.
     assert r3.returncode == 0, out3[-3000:]
     assert "stages run: none; reused from DVC: games" in out3 and "decided before; nothing changed" in out3
     assert r3_end > r2_end
@@ -164,8 +176,6 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     # job's result), not the orchestrator's, which the parent run names.
     from mlflow import MlflowClient
 
-    from evoharness import stagerun
-
     assert "EVOHARNESS_MACHINE" not in os.environ
     c = MlflowClient(tracking_uri=hosts["mlflow"].uri)  # the team's tracking server (basic auth)
     assert not (repo / "mlflow.db").exists()
@@ -176,9 +186,59 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     # The gate compared the candidate with its SFT parent split by split (no_regression), on the evaluations it read.
     mv = c.get_model_version_by_alias("evoharness-hosts-tiny-cpu", "champion")
     assert {"check.seen_vs_sft-inline", "check.unseen_vs_sft-inline"} <= set(mv.tags), mv.tags
+    # The version points at the weights on the DVC remote; the gate bound the evaluation to them by dvc.lock's hashes.
+    assert mv.tags["weights_in_mlflow"] == "false" and mv.tags["dvc_md5"] == weights[-1]["md5"]
+    pointer = yaml.safe_load(open(c.download_artifacts(mv.run_id, "model/dvc-pointer.yaml", str(tmp_path))))
+    assert pointer["md5"] == weights[-1]["md5"] and pointer["model_digest"]
     remote_tags = git(["ls-remote", "--tags", "origin"], repo)
     assert f"refs/tags/{rec.group(1)}" in remote_tags
     assert yaml.safe_load(git(["show", f"{rec.group(1)}:dvc.lock"], repo)) == yaml.safe_load((repo / "dvc.lock").read_text())
+
+
+def test_a_stage_trained_on_one_box_is_restored_not_retrained_on_the_other(hosts, tmp_path):
+    """The scheduler lost its record of the two SFT stages (their dvc.lock entries): the rerun dispatches them again,
+    and only the box that did not train sft_inline is up. DVC's run-cache (pushed by every job) restores each stage
+    there from the remote: nothing is retrained, and the outputs are the ones trained before."""
+    if "run_id" not in hosts:
+        pytest.fail("no pool retrain before this one: test_a_rerun_with_a_live_worker_... failed or was deselected")
+    repo, w = hosts["repo"], hosts["worker"]
+    trained = {}
+    for stage in ("sft_inline", "sft_env_only"):
+        fr = next(fr for fr in job_runs(stage) if fr.state and fr.state.is_completed())
+        trained[stage] = next(t.split(":", 1)[1] for t in fr.tags if t.startswith("box:"))
+    other = "gpu-box-3" if trained["sft_inline"] == "gpu-box-2" else "gpu-box-2"
+    lock_p = repo / "dvc.lock"
+    before = yaml.safe_load(lock_p.read_text())
+    lock = json.loads(json.dumps(before))
+    for stage in ("sft_inline", "sft_env_only"):
+        del lock["stages"][stage]
+    lock_p.write_text(yaml.safe_dump(lock, sort_keys=False))
+    # A new commit that no stage depends on: the jobs are new (a job of the same commit and inputs would be adopted)
+    (repo / "NOTES.md").write_text("a change no stage depends on\n")
+    git(["add", "NOTES.md"], repo)
+    commit(repo, "-q", "-m", "notes")
+    git(["push", "-q", "origin", "HEAD"], repo)
+    log = tmp_path / "worker-other.log"
+    hosts["logs"] += [log]
+    extra = {"EVOHARNESS_WORKER_HOME": str(w.home / "box3")} if other == "gpu-box-3" else {}
+    worker = start_worker(w, other, log, EVOHARNESS_MACHINE=other, **extra)
+    t0 = time.time()
+    try:
+        r = cli(repo, hosts["orch_home"], "run", "--pool", POOL, timeout=1200, **hosts["env"])
+    finally:
+        kill_user(w.user)
+        worker.wait(30)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("stages run:"))
+    assert line.startswith("stages run: none; reused from DVC:") and "sft_inline" in line and "sft_env_only" in line, line
+    print(f"both SFT stages restored on {other} (sft_inline trained on {trained['sft_inline']}): {time.time() - t0:.0f} s")
+    after = yaml.safe_load(lock_p.read_text())
+    for stage in ("sft_inline", "sft_env_only"):
+        assert after["stages"][stage] == before["stages"][stage], stage  # the same outputs, by hash
+        fr = job_runs(stage)[0]
+        assert fr.state.is_completed() and f"box:{other}" in fr.tags, (stage, fr.tags)
+        assert _job_result(fr.id)["ran"] is False, stage  # the job's own report: DVC restored it, ran nothing
 
 
 def test_the_sessions_secret_is_in_no_store_record_log_or_data_folder(hosts, canary, prefect_service, webdav, git_server):

@@ -140,3 +140,35 @@ def test_pairs_split_by_episode_and_few_shot_matches_prompt_builder(demos, tmp_p
     with_ex = TurnView(*view.__dict__.values())
     object.__setattr__(with_ex, "examples", "a -> b; c")
     assert add_examples(build_prompt(view), "a -> b; c") == build_prompt(with_ex)
+
+
+def test_react_sft_learns_from_an_env_only_teacher_with_as_many_wins_as_sft_inline(demos, games_root, tmp_path):
+    """The fair ReAct baseline's data: the env_only teacher's own demos (its search moves chosen from what it sees),
+    cut to the inline demos' number of successful episodes, validated by the same gate, used by SFT as they are."""
+    from evoharness.alfworld.games import list_games
+    from evoharness.collect import collect
+    from evoharness.data.pairs import kept_episodes
+    from evoharness.episode import EpisodeConfig
+    from evoharness.errors import EvoError
+    from evoharness.harness.workspace import HarnessConfig
+    from evoharness.policies import PolicySpec
+    from evoharness.training.sft import load_rows
+
+    react = tmp_path / "react"
+    collect(list_games(games_root, "train"), PolicySpec(kind="teacher", noise=0.3), EpisodeConfig(harness=HarnessConfig(mode="env_only")), 12, react,
+            batch_size=6, workers=2, seed=1)
+    w = kept_episodes(demos)
+    assert 0 < w < kept_episodes(react / "demos.jsonl"), (w, kept_episodes(react / "demos.jsonl"))
+    s = build_pairs(react / "demos.jsonl", tmp_path / "pairs_react", 0.25, 0, max_episodes=w)
+    assert s["kept"] == w and s["dropped"]["over the matched count"] >= 1
+    with pytest.raises(EvoError, match=r"usable episodes, fewer than the 99 to match"):
+        build_pairs(react / "demos.jsonl", tmp_path / "too_many", 0.25, 0, max_episodes=99)
+    build_pairs(demos, tmp_path / "pairs", 0.25, 0)
+    res = gate(demos, tmp_path / "pairs", 1024, tmp_path / "report", tmp_path / "q", None, {"react": (react / "demos.jsonl", tmp_path / "pairs_react")})
+    assert set(res) == {"trajectories", "pairs", "trajectories_react", "pairs_react"} and all(r["failed"] == 0 for r in res.values())
+    train, val = load_rows(tmp_path / "pairs_react", "env_only")
+    import pandas as pd
+
+    raw = pd.concat([pd.read_parquet(tmp_path / "pairs_react" / f"{x}.parquet") for x in ("train", "val")])
+    assert sorted(pd.concat([train, val])["prompt"]) == sorted(raw["prompt"])  # the env_only teacher's prompts, not a projection
+    assert not raw["prompt"].str.contains("track [query]", regex=False).any() and set(raw["kind"]) == {"env"}

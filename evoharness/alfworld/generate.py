@@ -34,6 +34,8 @@ class GenConfig:
     max_expert_steps: int = 60
     workers: int = 2
     avoid: frozenset[str] = frozenset()  # problem_key()s never to generate (another root's games: no shared problem)
+    counts: dict[str, dict[str, int]] | None = None  # split -> family -> games, instead of per_family's one count for every family
+    seen_scenes: dict[str, list[int]] | None = None  # family -> the scenes its training games use (valid_seen draws from them)
 
 
 def problem_key(pddl_problem: str) -> str:
@@ -109,6 +111,15 @@ def expert_play(worker: EnvWorker, gamefile: str, seed: int, max_steps: int) -> 
     return None
 
 
+def panel_digest(root: Path) -> str:
+    """sha256 over every file under a games root (its relative path and bytes), in path order: the identity params pin."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
 def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
     """Generate every split; returns a summary (kept, rejected per family and split)."""
     out = Path(out)
@@ -124,17 +135,22 @@ def generate(out: Path, cfg: GenConfig, progress=None) -> dict:
     train_scenes: dict[str, set[int]] = {}
     with EnvPool(cfg.workers) as pool:
         for split in ("train", "valid_seen", "valid_unseen"):
-            n = cfg.per_family.get(split, 0)
-            if n <= 0:
+            wanted = cfg.counts.get(split, {}) if cfg.counts is not None else {f: cfg.per_family.get(split, 0) for f in cfg.families}
+            if sum(wanted.values()) <= 0:
                 continue  # not regenerated: what is there stays
             sdir = out / split
             if sdir.exists():
                 shutil.rmtree(sdir)  # a split is regenerated whole: stale games must not linger
             summary["splits"][split] = {}
             for fam in cfg.families:
+                n = wanted.get(fam, 0)
+                if n <= 0:
+                    continue
                 pool_scenes = scene_pool(fam, split, cfg.unseen_scenes)
                 if split == "valid_seen" and train_scenes.get(fam):
                     pool_scenes = sorted(train_scenes[fam])
+                elif split == "valid_seen" and cfg.seen_scenes and cfg.seen_scenes.get(fam):
+                    pool_scenes = sorted(cfg.seen_scenes[fam])
                 if not pool_scenes:
                     raise EvoError(f"no scene can host {fam} in {split}")
                 kept: list[tuple[int, Problem, list[str]]] = []

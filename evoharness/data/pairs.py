@@ -53,7 +53,18 @@ def exemplars(records: list[dict], k: int) -> dict[str, str]:
     return {fam: "\n".join(v) for fam, v in out.items()}
 
 
-def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_shot: int = 0, imitate_detours: bool = False) -> dict:
+def kept_episodes(demos_path: Path) -> int:
+    """How many episodes of a demos file SFT would learn from (``drop_reason`` keeps them)."""
+    records, bad = read_jsonl(Path(demos_path))
+    if bad or not Path(demos_path).exists():
+        raise EvoError(f"{demos_path}: missing or {len(bad)} line(s) not JSON; run `evoharness validate` for the report")
+    return sum(drop_reason(r) is None for r in records)
+
+
+def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_shot: int = 0, imitate_detours: bool = False,
+                max_episodes: int | None = None) -> dict:
+    """``max_episodes``: keep the first that many usable episodes (file order), so that two training sets hold the
+    same number of successful episodes (ReAct-SFT's against SFT-inline's); fewer available is an error."""
     import pandas as pd
 
     demos_path, out_dir = Path(demos_path), Path(out_dir)
@@ -62,6 +73,10 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
     records, bad = read_jsonl(demos_path)
     if bad:
         raise EvoError(f"{demos_path}: {len(bad)} line(s) are not JSON (first: line {bad[0]}); run `evoharness validate` for the report")
+    if max_episodes is not None:
+        usable = sum(drop_reason(r) is None for r in records if isinstance(r, dict))
+        if usable < max_episodes:
+            raise EvoError(f"{demos_path}: {usable} usable episodes, fewer than the {max_episodes} to match; collect more demos (params demos.n)")
     out_dir.mkdir(parents=True, exist_ok=True)
     ex = exemplars(records, few_shot) if few_shot > 0 else {}
     dropped: Counter = Counter()
@@ -73,6 +88,8 @@ def build_pairs(demos_path: Path, out_dir: Path, val_fraction: float = 0.1, few_
             reason = drop_reason(rec)
         except (AttributeError, TypeError):
             reason = "malformed record"
+        if reason is None and max_episodes is not None and sum(kept_eps.values()) >= max_episodes:
+            reason = "over the matched count"
         if reason:
             dropped[reason] += 1
             continue

@@ -335,18 +335,21 @@ def quarantine(files: list[Path], report: Report, root: Path) -> Path:
     return dest
 
 
-def gate(demos: Path | None, pairs_dir: Path | None, max_tokens: int, report_dir: Path, quarantine_root: Path, metrics: Path | None = None) -> dict:
-    """Validate demos and pairs; on failure quarantine and raise ValidationFailed (one line)."""
+def gate(demos: Path | None, pairs_dir: Path | None, max_tokens: int, report_dir: Path, quarantine_root: Path, metrics: Path | None = None,
+         more: dict[str, tuple[Path | None, Path | None]] | None = None) -> dict:
+    """Validate demos and pairs (and ``more``: per name, another demos file and pairs folder, reported as
+    ``trajectories_<name>`` and ``pairs_<name>``); on failure quarantine and raise ValidationFailed (one line)."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     failures = []
     checks = []
-    if demos is not None:
-        checks.append(("trajectories", lambda: validate_trajectories(Path(demos), report_dir), [Path(demos)]))
-    if pairs_dir is not None:
-        checks.append(("pairs", lambda: validate_pairs(Path(pairs_dir), max_tokens, report_dir),
-                       [Path(pairs_dir) / "train.parquet", Path(pairs_dir) / "val.parquet"]))
+    for suffix, (d, pd_) in {"": (demos, pairs_dir), **{f"_{k}": v for k, v in (more or {}).items()}}.items():
+        if d is not None:
+            checks.append((f"trajectories{suffix}", lambda d=d: validate_trajectories(Path(d), report_dir), [Path(d)]))
+        if pd_ is not None:
+            checks.append((f"pairs{suffix}", lambda pd_=pd_: validate_pairs(Path(pd_), max_tokens, report_dir),
+                           [Path(pd_) / "train.parquet", Path(pd_) / "val.parquet"]))
     for name, run, files in checks:
         rep = run()
         (report_dir / f"{name}.json").write_text(json.dumps(rep.to_json(), indent=2))

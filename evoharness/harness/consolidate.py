@@ -1,8 +1,9 @@
 """Consolidation between batches: turn a batch's evidence into Experience edits.
 
-Offline the consolidator is rule-based; when an OpenAI-compatible endpoint is configured the
-LLM proposes the edits instead. Either way the edits go through ``Experience.apply``, which
-enforces the caps and the usage veto, and the bank's update counter moves once per call.
+Offline the consolidator is rule-based; when an endpoint is configured (``make_consolidator``: any
+OpenAI-compatible server, or the local student) the LLM proposes the edits instead. Its reply is untrusted
+input: ``parse_edits`` bounds and shape-checks it, and ``Experience.apply`` checks every edit against the bank
+(ids exist, the caps, the usage veto). Either way the bank's update counter moves once per call.
 """
 
 from __future__ import annotations
@@ -105,30 +106,159 @@ def rule_edits(bank: Experience, evidence: list[dict]) -> list[dict]:
     return edits
 
 
-def llm_edits(bank: Experience, evidence: list[dict], endpoint) -> list[dict]:
-    """Ask an OpenAI-compatible endpoint for edits; it answers a JSON list."""
-    prompt = (
+MAX_REPLY_CHARS = 32_000  # a consolidator's reply: a few dozen short edits
+MAX_EDITS = 32  # per consolidation
+MAX_TEXT = 240  # characters of one entry: the text reaches every later prompt that recalls it
+_FIELDS = {"add": {"op", "category", "key", "text", "support"}, "update": {"op", "id", "text", "support"},
+           "merge": {"op", "ids", "text", "support"}, "delete": {"op", "id"}}
+
+
+class ReplyError(ValueError):
+    """A consolidator's reply that is not a list of well-formed edits: nothing of it is applied."""
+
+
+def _plain(v, what: str, limit: int = MAX_TEXT) -> str:
+    if not isinstance(v, str) or len(v) > limit or any(ord(ch) < 32 for ch in v):
+        raise ReplyError(f"{what} must be one line of text of at most {limit} characters (got {str(v)[:40]!r})")
+    return v.strip()
+
+
+def parse_edits(text: str) -> list[dict]:
+    """The edits of a consolidator's reply, checked for shape only (``Experience.apply`` checks them against the
+    bank: ids exist, caps, the usage veto). The reply is untrusted: it must be a JSON list (bare, or the one
+    fenced block) of at most ``MAX_EDITS`` objects whose op is add, update, merge or delete with that op's
+    fields only, typed and bounded; anything else raises ``ReplyError`` and nothing is applied."""
+    if not isinstance(text, str) or len(text) > MAX_REPLY_CHARS:
+        raise ReplyError(f"the reply is {len(text) if isinstance(text, str) else type(text).__name__} characters, over {MAX_REPLY_CHARS}")
+    body = text.strip()
+    m = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
+    if m:
+        body = m.group(1)
+    try:
+        edits = json.loads(body)
+    except ValueError as e:
+        raise ReplyError(f"the reply is not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(edits, list):
+        raise ReplyError(f"the reply is a JSON {type(edits).__name__}, not a list of edits")
+    if len(edits) > MAX_EDITS:
+        raise ReplyError(f"the reply has {len(edits)} edits, over {MAX_EDITS}")
+    out = []
+    for i, ed in enumerate(edits):
+        if not isinstance(ed, dict) or ed.get("op") not in _FIELDS:
+            raise ReplyError(f"edit {i} is not an object with op add|update|merge|delete ({str(ed)[:60]!r})")
+        extra = set(ed) - _FIELDS[ed["op"]]
+        if extra:
+            raise ReplyError(f"edit {i} ({ed['op']}) has fields it may not have: {sorted(extra)}")
+        clean = {"op": ed["op"]}
+        if "support" in ed:
+            if not isinstance(ed["support"], int) or isinstance(ed["support"], bool) or not 1 <= ed["support"] <= 100:
+                raise ReplyError(f"edit {i}: support must be a whole number from 1 to 100 (got {ed['support']!r})")
+            clean["support"] = ed["support"]
+        if ed["op"] == "add":
+            if ed.get("category") not in CATEGORIES:
+                raise ReplyError(f"edit {i}: category must be one of {', '.join(CATEGORIES)} (got {str(ed.get('category'))[:40]!r})")
+            clean.update(category=ed["category"], key=_plain(ed.get("key", ""), f"edit {i}'s key", 64), text=_plain(ed.get("text"), f"edit {i}'s text"))
+        if ed["op"] in ("update", "delete"):
+            clean["id"] = _plain(ed.get("id"), f"edit {i}'s id", 16)
+        if ed["op"] == "merge":
+            ids = ed.get("ids")
+            if not isinstance(ids, list) or not 2 <= len(ids) <= 8:
+                raise ReplyError(f"edit {i}: merge needs a list of 2 to 8 ids")
+            clean["ids"] = [_plain(x, f"edit {i}'s id", 16) for x in ids]
+        if ed["op"] in ("update", "merge") and "text" in ed:
+            clean["text"] = _plain(ed["text"], f"edit {i}'s text")
+        if ed["op"] in ("add", "update", "merge") and "text" in clean and not clean["text"]:
+            raise ReplyError(f"edit {i}: empty text")
+        out.append(clean)
+    return out
+
+
+def llm_prompt(bank: Experience, evidence: list[dict]) -> str:
+    return (
         "You maintain an agent's experience bank for ALFWorld household tasks. Categories: "
         + ", ".join(CATEGORIES)
-        + ". Propose edits as a JSON list of objects with op in add|update|merge|delete "
+        + f". Propose at most {MAX_EDITS} edits as a JSON list of objects with op in add|update|merge|delete "
         "(add: category, key, text; update: id, text; merge: ids, text; delete: id). "
-        "Keep entries short and general. Answer with the JSON list only.\n"
+        f"Keep each text under {MAX_TEXT} characters and general. Answer with the JSON list only.\n"
         f"BANK: {json.dumps(bank.to_json()['entries'])}\nEVIDENCE: {json.dumps(evidence)}"
     )
-    text = endpoint.complete(prompt)
-    m = re.search(r"\[.*\]", text, re.S)
-    try:
-        edits = json.loads(m.group(0)) if m else []
-    except ValueError:
-        edits = []
-    return [e for e in edits if isinstance(e, dict)]
 
 
-def consolidate(bank: Experience, trajectories: list[dict], endpoint=None) -> list[dict]:
-    """Apply a batch's evidence to the bank; returns the edit log. Usage counts land here too."""
+def llm_edits(bank: Experience, evidence: list[dict], endpoint) -> list[dict]:
+    """Ask a consolidator (anything with ``complete(prompt) -> str``: an OpenAI-compatible endpoint, the local
+    student) for edits. Raises ``ReplyError`` for a malformed reply, ``PolicyError`` for an endpoint that failed."""
+    return parse_edits(endpoint.complete(llm_prompt(bank, evidence)))
+
+
+def consolidate(bank: Experience, trajectories: list[dict], endpoint=None, warn=None) -> list[dict]:
+    """Apply a batch's evidence to the bank; returns the edit log. Usage counts land here too (they are what the
+    batch observed, whatever the consolidator says). With an endpoint its edits are used; a reply that is
+    malformed, or an endpoint that fails, leaves the entries unchanged, with a warning and one log line."""
+    from evoharness.errors import PolicyError
+
     bank.record_uses([i for t in trajectories for i in t.get("recalled", [])])
     evidence = evidence_of(trajectories)
-    edits = llm_edits(bank, evidence, endpoint) if endpoint is not None else rule_edits(bank, evidence)
-    log = bank.apply(edits)
+    if endpoint is None:
+        log = bank.apply(rule_edits(bank, evidence))
+    else:
+        try:
+            log = bank.apply(llm_edits(bank, evidence, endpoint))
+        except (ReplyError, PolicyError) as e:
+            why = f"consolidator reply refused, bank unchanged: {e}"
+            (warn or _warn)(why)
+            log = [{"op": "none", "result": f"rejected: {why}"[:300]}]
     bank.updates += 1
     return log
+
+
+def _warn(msg: str) -> None:
+    import warnings
+
+    warnings.warn(msg, stacklevel=3)
+
+
+def make_consolidator(spec: str | None):
+    """``rules`` (or none): the rule-based consolidator. ``chat:base_url=...,model=...[,api_key_env=...]``: any
+    OpenAI-compatible endpoint. ``hf:path=<checkpoint>``: a local model (the student) through the same interface."""
+    if spec in (None, "", "rules"):
+        return None
+    from evoharness.policies.spec import parse_policy
+
+    ps = parse_policy(spec)
+    if ps.kind == "chat":
+        from evoharness.policies.chat import ChatEndpoint
+
+        return ChatEndpoint(ps.base_url, ps.model, ps.api_key_env, temperature=ps.temperature if ps.sample else 0.0, max_tokens=max(ps.max_new_tokens, 1024))
+    if ps.kind == "hf":
+        return LocalEndpoint(ps.path, max_new_tokens=max(ps.max_new_tokens, 512))
+    from evoharness.errors import EvoError
+
+    raise EvoError(f"consolidator {spec!r}: expected rules, chat:base_url=...,model=... or hf:path=...")
+
+
+class LocalEndpoint:
+    """A local Hugging Face checkpoint answering ``complete(prompt)`` greedily (the student as its own consolidator)."""
+
+    def __init__(self, path: str, max_new_tokens: int = 512):
+        self.path, self.max_new_tokens = path, max_new_tokens
+        self._model = self._tok = None
+
+    def complete(self, prompt: str) -> str:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from evoharness.errors import PolicyError
+        from evoharness.training.checkpoint import resolve_checkpoint
+
+        if self._model is None:
+            try:
+                p = resolve_checkpoint(self.path)
+                self._tok = AutoTokenizer.from_pretrained(p)
+                self._model = AutoModelForCausalLM.from_pretrained(p).eval()
+            except Exception as e:  # noqa: BLE001 -- a checkpoint that does not load is the endpoint failing
+                raise PolicyError(f"consolidator checkpoint {self.path} does not load ({type(e).__name__})") from None
+        limit = getattr(self._model.config, "max_position_embeddings", 1024) - self.max_new_tokens
+        ids = self._tok(prompt, return_tensors="pt").input_ids[:, -max(limit, 16):]
+        with torch.no_grad():
+            out = self._model.generate(ids, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self._tok.eos_token_id)
+        return self._tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

