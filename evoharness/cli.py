@@ -164,6 +164,7 @@ def collect(
     noise: Optional[float] = typer.Option(None, help="teacher noise (params demos.noise)"),
     mode: Optional[str] = typer.Option(None, help="the harness the teacher acts through (params episode.harness.mode): inline | always_on | env_only"),
     metrics: Optional[Path] = typer.Option(None, help="also write success and calls per family here (DVC metrics)"),
+    react: bool = typer.Option(False, "--react", help="ReAct-SFT's demos: the teacher without the harness (env_only), params demos.react_n episodes"),
     params: str = PARAMS,
 ):
     """Collect teacher demos on the training games (bank consolidated between batches)."""
@@ -174,7 +175,13 @@ def collect(
     from evoharness.config import load_params
 
     p = load_params(params)
+    if react:
+        if mode not in (None, "env_only"):
+            raise EvoError(f"collect --react: the ReAct teacher acts without the harness (env_only), not {mode!r}")
+        mode = "env_only"
     nd = p.demos.n if n is None else n
+    if react and n is None:
+        nd = p.demos.react_n or -(-p.demos.n * 5 // 4)
     if nd < 1:
         raise EvoError(f"collect: the number of demos must be at least 1 (got {nd} from {'--n' if n is not None else params + ': demos.n'}); nothing was written")
     spec = PolicySpec(kind="teacher", noise=p.demos.noise if noise is None else noise)

@@ -88,6 +88,8 @@ class PanelParams(_Strict):
 
 class DemosParams(_Strict):
     n: int = Field(96, ge=1)
+    react_n: int = Field(0, ge=0, description="episodes the env_only teacher plays for ReAct-SFT (collect --react); it wins a little "
+                         "less often than the inline one, and pairs_react needs as many successful episodes as SFT-inline's. 0: 1.25 x n")
     noise: float = Field(0.3, ge=0.0, le=1.0)
     batch_size: int = Field(16, ge=1)
 

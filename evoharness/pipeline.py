@@ -46,6 +46,16 @@ def print_results(root: Path, res: dict, prefect_api: str | None, echo: Callable
     demos = json.loads((root / "data" / "metrics" / "demos.json").read_text())
     pairs = json.loads((root / "data" / "metrics" / "pairs.json").read_text())
     echo(f"teacher demos: {demos['won']}/{demos['demos']} won; SFT pairs: {pairs['rows']['train']} train / {pairs['rows']['val']} val rows")
+    react, react_pairs = root / "data" / "metrics" / "demos_react.json", root / "data" / "metrics" / "pairs_react.json"
+    if react.exists() and react_pairs.exists():
+        r, rp = json.loads(react.read_text()), json.loads(react_pairs.read_text())
+        echo(f"ReAct-SFT's demos (the teacher without the harness): {r['won']}/{r['demos']} won; {rp['kept']} used (as many as SFT-inline's), "
+             f"{rp['rows']['train']} train / {rp['rows']['val']} val rows")
+    panel = root / "data" / "metrics" / "panel.json"
+    if panel.exists():
+        pm = json.loads(panel.read_text())
+        counts = {split: sum(f["kept"] for f in fams.values()) for split, fams in pm.items() if isinstance(fams, dict)}
+        echo(f"evaluation panel: {', '.join(f'{n} {split}' for split, n in counts.items())} games (digest {str(pm.get('digest', '?'))[:16]})")
     comparison = root / "data" / "eval" / "comparison.md"
     if comparison.exists():
         echo("\nModels on valid_seen / valid_unseen (success % per family, calls per episode by verb):")

@@ -69,8 +69,8 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
     line = _line(r.stdout, "stages run:")
     # The killed SFT resumes from its checkpoint, or, if it had finished just before the kill, DVC
     # restores it from its run cache: either way nothing that finished runs again.
-    assert (line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model")
-            or line.startswith("stages run: sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model, sft_inline")), line
+    assert (line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, demos_react, pairs_react, validate, baselines, base_model")
+            or line.startswith("stages run: sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, demos_react, pairs_react, validate, baselines, base_model, sft_inline")), line
     sft = json.loads((project / "data" / "metrics" / "sft-inline.json").read_text())
     assert sft["resumed_from"] is not None or "sft_inline" not in line.split(";")[0], sft
     assert "PROMOTED" in _line(r.stdout, "decision:")

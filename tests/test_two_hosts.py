@@ -136,7 +136,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     out2, out3 = log2.read_text(), log3.read_text()
     assert r2.returncode == 0, out2[-4000:]
     line = next(ln for ln in out2.splitlines() if ln.startswith("stages run:"))
-    assert line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, validate, baselines, base_model"), line
+    assert line.startswith("stages run: sft_inline, sft_env_only, grpo, evaluate; reused from DVC: games, grpo_games, panel, demos, pairs, demos_react, pairs_react, validate, baselines, base_model"), line
     assert "PROMOTED" in out2
     print(f"rerun with a live worker: {r2_end - t0:.0f} s; {line}")
     # The stages ran as fresh jobs on the worker (not the crashed one), from the origin's commit.

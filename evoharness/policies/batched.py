@@ -64,6 +64,14 @@ def _cuda_device() -> int | None:
     return torch.cuda.current_device()
 
 
+def nucleus(probs, top_p: float):
+    """Top-p filtering of rows of probabilities: the smallest set of tokens holding ``top_p`` of each row's mass
+    (the most likely first) keeps its probabilities, every other token gets 0 (``torch.multinomial`` renormalises)."""
+    sp, si = probs.sort(-1, descending=True)
+    drop = sp.cumsum(-1) - sp >= top_p
+    return probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+
+
 @dataclass
 class _Request:
     ids: list[int]
@@ -88,9 +96,10 @@ class Batcher:
     ACTIVE_S = 5.0  # a thread that asked within this many seconds is expected in the next batch
 
     def __init__(self, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
-                 max_batch: int = 32, wait_s: float = 0.08):
+                 max_batch: int = 32, wait_s: float = 0.08, top_p: float = 1.0):
         self.tok = tok
         self.sample, self.temperature, self.max_new_tokens = sample, temperature, max_new_tokens
+        self.top_p = top_p  # nucleus sampling (evaluation as the field samples: T = 1.0, top-p 0.9); 1.0: the whole distribution
         self.constrained, self.max_batch, self.wait_s = constrained, max_batch, wait_s
         self.stops = set(stop_ids(tok))
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -225,8 +234,8 @@ class BatchedGenerator(Batcher):
     shared head, which an optimizer step would leave stale. GRPO makes a new one for each batch of rollouts."""
 
     def __init__(self, model, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True,
-                 max_batch: int = 32, wait_s: float = 0.08, fast: bool = True):
-        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
+                 max_batch: int = 32, wait_s: float = 0.08, fast: bool = True, top_p: float = 1.0):
+        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s, top_p)
         self.model = model
         device = getattr(model, "device", None)
         if device is not None and device.type == "cuda":  # decode where the weights are
@@ -324,6 +333,8 @@ class BatchedGenerator(Batcher):
                 lp = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
                 if self.sample:
                     probs = lp.exp().cpu()
+                    if self.top_p < 1.0:
+                        probs = nucleus(probs, self.top_p)
                     picks = [int(torch.multinomial(probs[k], 1, generator=gens[i])) for k, i in enumerate(rows)]
                 else:
                     picks = lp.argmax(-1).tolist()
@@ -364,8 +375,8 @@ class VLLMGenerator(Batcher):
     made with it); the logprobs are vLLM's processed ones, those of the distribution sampled from."""
 
     def __init__(self, llm, tok, sample: bool, temperature: float, max_new_tokens: int, constrained: bool = True, max_batch: int = 256,
-                 wait_s: float = 0.05):
-        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s)
+                 wait_s: float = 0.05, top_p: float = 1.0):
+        super().__init__(tok, sample, temperature, max_new_tokens, constrained, max_batch, wait_s, top_p)
         self.llm = llm
 
     def _constraint(self, admissible: tuple[str, ...], verbs: tuple[str, ...], after: str = ""):
@@ -380,7 +391,7 @@ class VLLMGenerator(Batcher):
         params = []
         for r in batch:
             kw = dict(n=1, temperature=self.temperature if self.sample else 0.0, max_tokens=self.max_new_tokens, logprobs=0,
-                      stop_token_ids=sorted(self.stops), skip_special_tokens=False)
+                      stop_token_ids=sorted(self.stops), skip_special_tokens=False, top_p=self.top_p if self.sample else 1.0)
             if self.sample and r.seed is not None:
                 kw["seed"] = int(r.seed)
             if r.constraint is not None:

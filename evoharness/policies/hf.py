@@ -144,12 +144,12 @@ def _shutdown_vllm(llm) -> None:
 
 
 def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, constrained: bool, backend: str = "hf",
-              device: str = "cpu", dtype: str = "float32"):
+              device: str = "cpu", dtype: str = "float32", top_p: float = 1.0):
     """One batched generator per checkpoint and decoding setting, shared by every episode thread:
     the model's own weights (``hf``) or a vLLM engine on it (``vllm``)."""
     from evoharness.policies.batched import BatchedGenerator, VLLMGenerator
 
-    key = (str(resolve_checkpoint(path)), sample, temperature, max_new_tokens, constrained, backend, device, dtype)
+    key = (str(resolve_checkpoint(path)), sample, temperature, max_new_tokens, constrained, backend, device, dtype, top_p)
     with _LOAD_LOCK:
         g = _GENERATORS.get(key)
     if g is None:
@@ -158,10 +158,10 @@ def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, 
 
             real = str(resolve_checkpoint(path))
             made = VLLMGenerator(_vllm_engine(real, dtype, device), AutoTokenizer.from_pretrained(real), sample, temperature, max_new_tokens,
-                                 constrained)
+                                 constrained, top_p=top_p)
         else:
             tok, model, _ = load(path, device, dtype)
-            made = BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained)
+            made = BatchedGenerator(model, tok, sample, temperature, max_new_tokens, constrained, top_p=top_p)
         with _LOAD_LOCK:
             g = _GENERATORS.setdefault(key, made)
     return g
@@ -169,9 +169,12 @@ def generator(path: str, sample: bool, temperature: float, max_new_tokens: int, 
 
 class HFPolicy:
     def __init__(self, path: str, sample: bool = False, temperature: float = 1.0, max_new_tokens: int = 96, constrained: bool = True,
-                 backend: str = "hf", device: str = "cpu", dtype: str = "float32"):
+                 backend: str = "hf", device: str = "cpu", dtype: str = "float32", top_p: float = 1.0):
         if not path:
             raise PolicyError("hf policy needs path=<checkpoint folder>")
+        if not 0.0 < top_p <= 1.0:
+            raise PolicyError(f"hf policy: top_p must be in (0, 1] (got {top_p})")
+        self.top_p = top_p
         self.path, self.sample, self.temperature, self.max_new_tokens = path, sample, temperature, max_new_tokens
         self.constrained, self.backend, self.device, self.dtype = constrained, backend, device, dtype
         self.name = f"hf:{Path(path).name}"
@@ -181,7 +184,8 @@ class HFPolicy:
     def fingerprint(self) -> str:
         decoding = "constrained" if self.constrained else "free"
         backend = "" if self.backend == "hf" else f":{self.backend}"  # the same weights and decoding on another engine
-        return f"hf:v3:{weights_digest(self.path)}:{self.sample}:{self.temperature}:{self.max_new_tokens}:{decoding}{backend}"
+        nucleus = f"/p{self.top_p}" if self.sample and self.top_p < 1.0 else ""  # part of the sampling setting (promotion reads it)
+        return f"hf:v3:{weights_digest(self.path)}:{self.sample}:{self.temperature}{nucleus}:{self.max_new_tokens}:{decoding}{backend}"
 
     def reset(self, seed: int) -> None:
         self.seed, self.calls = seed, 0
@@ -189,10 +193,10 @@ class HFPolicy:
     def session(self, key):
         """This episode thread's lockstep session with the shared decoder (``policies.batched``)."""
         return generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained, self.backend, self.device,
-                         self.dtype).session(key)
+                         self.dtype, self.top_p).session(key)
 
     def act(self, prompt: str, view: TurnView, privileged: Privileged) -> str:
         sampler = generator(self.path, self.sample, self.temperature, self.max_new_tokens, self.constrained, self.backend, self.device,
-                            self.dtype)
+                            self.dtype, self.top_p)
         self.calls += 1
         return sampler(prompt, seed=(self.seed * 100_003 + self.calls) if self.sample else None, view=view).text

@@ -18,7 +18,7 @@ class PolicySpec(BaseModel):
     """A policy by kind plus its settings. ``noise`` (teacher): chance per env step of a random
     admissible command instead of the expert's. ``base_url``/``model``/``api_key_env`` (chat):
     any OpenAI-compatible endpoint, the key read from that environment variable. ``path``
-    (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding.
+    (hf): a local Hugging Face checkpoint. ``sample``: sample instead of greedy decoding (``temperature``, ``top_p``).
     ``constrained`` (hf): decode under ``policies.constrain`` (the format and a legal action).
     ``backend`` / ``device`` / ``dtype`` (hf): decode with the model's own weights or vLLM, where."""
 
@@ -31,6 +31,7 @@ class PolicySpec(BaseModel):
     path: str = ""
     sample: bool = False
     temperature: float = 1.0
+    top_p: float = 1.0
     max_new_tokens: int = 96
     constrained: bool = True
     backend: Literal["hf", "vllm"] = "hf"
@@ -86,4 +87,4 @@ def make_policy(spec: PolicySpec):
     from evoharness.policies.hf import HFPolicy
 
     return HFPolicy(spec.path, sample=spec.sample, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, constrained=spec.constrained,
-                    backend=spec.backend, device=spec.device, dtype=spec.dtype)
+                    backend=spec.backend, device=spec.device, dtype=spec.dtype, top_p=spec.top_p)

@@ -1,5 +1,5 @@
-"""bench/grpo_seeds.py's statistics: the mean gain over seeds with its 95 % t-interval and the paired test per seed,
-re-derived from the compact per-episode outcomes it commits."""
+"""The benches' statistics (bench/grpo_seeds.py, bench/sampling_eval.py): means over seeds with 95 % t-intervals, paired tests,
+nucleus filtering, and the figures re-derived from the compact per-episode outcomes the benches commit."""
 
 from __future__ import annotations
 
@@ -36,3 +36,27 @@ def test_the_figures_are_re_derived_from_the_committed_outcomes(tmp_path):
     (tmp_path / "outcomes.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "results.json").write_text(json.dumps(res))
     assert rederive(tmp_path) == res
+
+
+def test_nucleus_keeps_the_smallest_set_holding_top_p_of_the_mass():
+    import torch
+
+    from evoharness.policies.batched import nucleus
+
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15], [0.9, 0.04, 0.03, 0.03]], dtype=torch.float64)
+    out = nucleus(probs, 0.9)
+    assert out.tolist() == [[0.0, 0.5, 0.3, 0.15], [0.9, 0.0, 0.0, 0.0]]  # 0.5 + 0.3 < 0.9, so 0.15 stays; 0.9 alone is enough
+    assert nucleus(probs, 1.0).tolist() == probs.tolist()
+
+
+def test_sampling_bench_reports_avg_at_k_with_its_interval_across_seeds():
+    from sampling_eval import summarize as sampling, table
+
+    games = [f"g{i}" for i in range(10)]
+    out = {("m", "valid_seen", "greedy"): {g: int(i < 5) for i, g in enumerate(games)}}
+    for s, w in ((0, 3), (1, 4), (2, 5)):
+        out[("m", "valid_seen", f"s{s}")] = {g: int(i < w) for i, g in enumerate(games)}
+    r = sampling(out, ["m"], ["valid_seen"], [0, 1, 2])["models"]["m"]["valid_seen"]
+    assert r["greedy"] == 50.0 and r["sampled_per_seed"] == [30.0, 40.0, 50.0] and r["avg"] == 40.0
+    assert r["ci95"] == [round(40 - 4.303 * 10 / 3 ** 0.5, 2), round(40 + 4.303 * 10 / 3 ** 0.5, 2)]
+    assert "avg@3" in table({"seeds": [0, 1, 2], "models": {"m": {"valid_seen": r}}})
