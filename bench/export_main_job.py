@@ -66,7 +66,7 @@ def derive(rows: list[dict]) -> dict:
                 only_b, only_a, p = mcnemar_worse(y, x)  # "b worse than a"
             else:
                 p = fisher_greater(sum(x.values()), len(x), sum(y.values()), len(y))
-            res["claims"].append({"claim": what, "a": a, "b": b, "split": split, "p": round(p, 4)})
+            res["claims"].append({"claim": what, "a": a, "b": b, "split": split, "p": float(f"{p:.3g}")})
     return res
 
 
@@ -80,7 +80,9 @@ def table(res: dict, times: dict | None) -> str:
             s = res["models"][m].get(split)
             cells.append(f"{s['success']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}] ({s['wins']}/{s['episodes']})" if s else "–")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "| claim | split | p |", "|---|---|---|"] + [f"| {c['claim']} | {c['split']} | {c['p']:.4f} |" for c in res["claims"]]
+    from evoharness.compare import format_p
+
+    lines += ["", "| claim | split | p |", "|---|---|---|"] + [f"| {c['claim']} | {c['split']} | {format_p(c['p'])} |" for c in res["claims"]]
     if times:
         lines += ["", f"Stage times (s) of retrain `{times['run_id'][:8]}` on {times['machine']}, {times['total_s'] / 60:.1f} min in all:", "",
                   "| stage | seconds | ran |", "|---|---|---|"] + [f"| {s} | {v['seconds']:.0f} | {'yes' if v['ran'] else 'reused'} |" for s, v in times["stages"].items()]

@@ -279,7 +279,7 @@ def validate(
 
 @app.command()
 def baselines(
-    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    games_root: Path = typer.Option(Path("data/panel"), "--games", help="the evaluation panel (stage panel)"),
     bank: Path = typer.Option(Path("data/demos/experience.json")),
     out: Path = typer.Option(Path("data/baselines")),
     metrics: Optional[Path] = typer.Option(None),
@@ -504,7 +504,7 @@ def grpo(
 
 @app.command()
 def compare(
-    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    games_root: Path = typer.Option(Path("data/panel"), "--games", help="the evaluation panel (stage panel)"),
     models: Path = typer.Option(Path("data/models")),
     bank: Path = typer.Option(Path("data/demos/experience.json")),
     out: Path = typer.Option(Path("data/eval")),
@@ -522,7 +522,7 @@ def compare(
 
 @app.command("ablation-table")
 def ablation_table(
-    games_root: Path = typer.Option(Path("data/games"), "--games"),
+    games_root: Path = typer.Option(Path("data/panel"), "--games", help="the evaluation panel (stage panel)"),
     main_eval: Path = typer.Option(Path("data/eval"), help="the main job's evaluations (ReAct-SFT, SFT-inline, cost-aware GRPO)"),
     bank: Path = typer.Option(Path("data/demos/experience.json")),
     out: Path = typer.Option(Path("data/ablation/eval")),
