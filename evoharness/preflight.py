@@ -174,3 +174,23 @@ def check_mlflow(root: Path, model_name: str) -> str:
                     pass
     champ, _ = promotion.read_champion(c, model_name)  # fails closed, as the gate would after the run
     return f"{uri} (champion of {model_name}: {'version ' + str(champ.version) if champ else 'none yet'})"
+
+
+def check_stage_params(root: Path) -> None:
+    """Every params key a stage of dvc.yaml reads is in params.yaml (DVC stops a stage whose key is missing, an hour
+    into the run: a key added by a newer version, ``consolidator``, absent from an older params.yaml)."""
+    import yaml
+
+    root = Path(root)
+    raw = yaml.safe_load((root / "params.yaml").read_text()) or {}
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    for name, st in stages.items():
+        for key in st.get("params") or []:
+            if not isinstance(key, str) or "${" in key:
+                continue
+            node = raw
+            for part in key.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    raise EvoError(f"{root / 'params.yaml'}: no {key!r}, which dvc.yaml's stage {name} reads; add it "
+                                   "(the repository's params.yaml has every key with its default)")
+                node = node[part]

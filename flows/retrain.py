@@ -51,6 +51,7 @@ def preflight(root: Path, params_path: str, pool: str | None = None, echo=None):
                        "put these settings in params.yaml (DVC reruns the stages they change)")
     p = load_params(str(root / params_path))
     load_profile(p.profile, root / params_path)
+    pf.check_stage_params(root)
     pp, _ = promotion.load_promotion(root / params_path, p.profile)
     if pool:
         check_shared(root, f"--pool {pool}")  # before ensure_remote could make a local one

@@ -27,6 +27,7 @@ MICRO = {
     "pairs": {"val_fraction": 0.2, "few_shot": 0},
     "validate": {"max_tokens": 1024},
     "eval": {"seeds": [0], "baselines": ["teacher"]},
+    "consolidator": {"endpoint": "rules", "window": 20},
     "profiles": {"tiny-cpu": {
         "base": MICRO_MODEL,
         "sft": {"batch_size": 8, "max_steps": 3, "save_steps": 1, "eval_steps": 3, "max_length": 1024},

@@ -227,3 +227,23 @@ def test_records_never_move_and_reproduce_refuses_a_moved_one(tmp_path, git_serv
     git(["tag", f"retrain/{run.info.run_id}", other], repo)
     with pytest.raises(EvoError, match=rf"names commit {other[:12]}, but MLflow run {run.info.run_id} recorded {rec[:12]}; the tag was moved"):
         reproduce(run.info.run_id, repo, echo=lambda _m: None, setup=False)
+
+
+def test_a_params_file_missing_a_key_a_stage_reads_is_one_line_before_any_stage(tmp_path):
+    """DVC stops a stage whose params key is missing, deep into a retrain (an older params.yaml lacks a newer key):
+    the preflight names the key and the stage first."""
+    import shutil
+
+    import yaml
+
+    from evoharness.errors import EvoError
+    from evoharness.preflight import check_stage_params
+    from project import MICRO, ROOT
+
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(MICRO))
+    check_stage_params(tmp_path)
+    old = {k: v for k, v in MICRO.items() if k != "consolidator"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(EvoError, match=r"no 'consolidator', which dvc.yaml's stage grpo reads"):
+        check_stage_params(tmp_path)
