@@ -45,17 +45,12 @@ def fresh_games(out: Path, split: str, per_family: int, seed: int) -> Path:
     if not seen:
         raise SystemExit("error: data/games/train holds no games: run `dvc repro games` first")
     # The games stage places valid_seen on the scenes its own train split drew; this one has no train split,
-    # so it is given those of data/games (the generator's scene choice is the only thing replaced).
-    orig = G.scene_pool
-    G.scene_pool = lambda fam, sp, unseen: sorted(seen[fam]) if sp == "valid_seen" else orig(fam, sp, unseen)
-    try:
-        avoid = frozenset(G.problem_keys(Path("data/games"))) | frozenset(G.problem_keys(Path("data/grpo_games")))
-        cfg = G.GenConfig(seed=seed, per_family={split: per_family}, families=list(g.families), unseen_scenes=tuple(g.unseen_scenes),
-                          max_per_type=g.max_per_type, distractors=g.distractors, max_expert_steps=g.max_expert_steps,
-                          workers=p.workers, avoid=avoid)
-        G.generate(root, cfg)
-    finally:
-        G.scene_pool = orig
+    # so it is given those of data/games (as the panel stage is).
+    avoid = frozenset(G.problem_keys(Path("data/games"))) | frozenset(G.problem_keys(Path("data/grpo_games")))
+    cfg = G.GenConfig(seed=seed, per_family={split: per_family}, families=list(g.families), unseen_scenes=tuple(g.unseen_scenes),
+                      max_per_type=g.max_per_type, distractors=g.distractors, max_expert_steps=g.max_expert_steps,
+                      workers=p.workers, avoid=avoid, seen_scenes={fam: sorted(s) for fam, s in seen.items()})
+    G.generate(root, cfg)
     made.write_text(json.dumps(want))
     return root
 

@@ -107,6 +107,12 @@ def _canonical_rewrite(path: Path, records: list[dict], wanted: dict) -> None:
     tmp.replace(path)
 
 
+def _what_ran(policy, cfg: EpisodeConfig, games: list[Game], seeds: list[int]) -> dict:
+    """The head of a results.json: which policy, under which episode config, on which games and seeds (the gate reads it)."""
+    return {"policy": policy.name, "policy_fingerprint": policy.fingerprint(), "episode_config": cfg.model_dump(),
+            "split": sorted({g.split for g in games}), "seeds": seeds, "games": len(games)}
+
+
 def evaluate(
     games: list[Game],
     spec: PolicySpec,
@@ -137,12 +143,7 @@ def evaluate(
     records.sort(key=lambda r: (r["game_id"], r["seed"]))
     _canonical_rewrite(episodes, records, wanted)
     result = {
-        "policy": policy.name,
-        "policy_fingerprint": policy.fingerprint(),
-        "episode_config": cfg.model_dump(),
-        "split": sorted({g.split for g in games}),
-        "seeds": seeds,
-        "games": len(games),
+        **_what_ran(policy, cfg, games, seeds),
         "reused": len(have),
         "played": len(new),
         "unparsed_lines": bad_lines,
@@ -172,16 +173,50 @@ def evaluate_evolving(
     resumes from its last bank, not the seed bank, and replays no finished episode (each window reuses its
     episodes by fingerprint, as ``evaluate`` does)."""
     from evoharness.episode import bank_digest
-    from evoharness.harness.consolidate import consolidate
 
     if window < 1:
-        raise ValueError(f"evolving evaluation: window must be at least 1 (got {window})")
+        from evoharness.errors import EvoError
+
+        raise EvoError(f"evolving evaluation: consolidator.window must be at least 1 (got {window})")
     out_dir = Path(out_dir)
     banks = out_dir / "banks"
     banks.mkdir(parents=True, exist_ok=True)
     start = bank_digest(bank)
     windows = [(s, games[i:i + window]) for s in seeds for i in range(0, len(games), window)]
-    records, log, resumed_at = [], [], None
+    records, log = [], []
+    own = pool is None
+    pool = pool or EnvPool(workers)  # one pool for every window (each would otherwise start its engines again)
+    try:
+        bank, resumed_at = _play_windows(windows, spec, cfg, out_dir, bank, consolidator, workers, pool, warn, records, log)
+    finally:
+        if own:
+            pool.close()
+    records.sort(key=lambda r: (r["game_id"], r["seed"]))
+    atomic.write_text(out_dir / "episodes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))  # the gate's evidence
+    bank.save(out_dir / "bank-final.json")
+    result = {
+        **_what_ran(make_policy(spec), cfg, games, seeds),
+        "bank_mode": "evolve",
+        "window": window,
+        "windows": len(windows),
+        "bank_start_digest": start,
+        "bank_digest": bank_digest(bank),
+        "resumed_after_window": resumed_at,
+        "consolidations": log,
+        "summary": summarize(records),
+    }
+    atomic.write_json(out_dir / "results.json", result, indent=2)
+    return result
+
+
+def _play_windows(windows, spec, cfg, out_dir: Path, bank: Experience, consolidator, workers: int, pool, warn, records: list, log: list):
+    """``evaluate_evolving``'s windows in order: each played with the bank the windows before it left, then
+    consolidated and checkpointed (or, resumed, its checkpoint read back). Returns the last bank and the last
+    window a killed run had consolidated (None: none)."""
+    from evoharness.harness.consolidate import consolidate
+
+    banks = Path(out_dir) / "banks"
+    resumed_at = None
     for k, (seed, chunk) in enumerate(windows):
         wdir = out_dir / "windows" / f"w{k:03d}"
         evaluate(chunk, spec, cfg, [seed], wdir, workers, bank, pool=pool)
@@ -199,25 +234,4 @@ def evaluate_evolving(
                     "refused": [e["result"] for e in edits if e.get("op") == "none"]})
         atomic.write_json(ckpt.with_suffix(".edits.json"), log[-1])
         bank.save(ckpt)  # last: its existence says the window is consolidated
-    records.sort(key=lambda r: (r["game_id"], r["seed"]))
-    atomic.write_text(out_dir / "episodes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))  # the gate's evidence
-    bank.save(out_dir / "bank-final.json")
-    policy = make_policy(spec)
-    result = {
-        "policy": policy.name,
-        "policy_fingerprint": policy.fingerprint(),
-        "episode_config": cfg.model_dump(),
-        "split": sorted({g.split for g in games}),
-        "seeds": seeds,
-        "games": len(games),
-        "bank_mode": "evolve",
-        "window": window,
-        "windows": len(windows),
-        "bank_start_digest": start,
-        "bank_digest": bank_digest(bank),
-        "resumed_after_window": resumed_at,
-        "consolidations": log,
-        "summary": summarize(records),
-    }
-    atomic.write_json(out_dir / "results.json", result, indent=2)
-    return result
+    return bank, resumed_at

@@ -488,22 +488,29 @@ def best_so_far(c, name: str, cond_hash: str) -> dict[str, float]:
 
 def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
          curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None,
-         record: Callable[[Decision], str | None] | None = None) -> Decision:
+         record: Callable[[Decision], str | None] | None = None, evaluated_md5: str | None = None) -> Decision:
     """The whole gate: ``register`` the decision, then ``record`` it (a callable returning the run's git
     record, or None), then ``finalize`` it. The aliases move only once the record exists."""
-    d = register(c, name, run_id, model_dir, model_md5, cand, refs, t, curve, report_dir, log_weights, model_digest)
+    d = register(c, name, run_id, model_dir, model_md5, cand, refs, t, curve, report_dir, log_weights, model_digest, evaluated_md5)
     if d.reused:
         return d
     return finalize(c, name, d, record(d) if record else None)
 
 
 def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
-             curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None) -> Decision:
+             curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None,
+             evaluated_md5: str | None = None) -> Decision:
     """Register the candidate (once per DVC hash), decide, tag, describe, write the report, and leave the
     decision ``pending``: no alias moves until ``finalize``. A version left pending by an interrupted gate
-    is decided again on the champion it saw, not re-registered; a complete one is returned as reused."""
+    is decided again on the champion it saw, not re-registered; a complete one is returned as reused.
+    What binds the evidence to the model: ``evaluated_md5`` (the DVC hash of the model the evaluation read, from
+    dvc.lock) must be ``model_md5``, and the weights in ``model_dir``, where they are here, must have the digest the
+    evaluation loaded; with the weights left on the remote (``model_dir`` None) the hashes are all there is."""
     from mlflow.exceptions import MlflowException
 
+    if evaluated_md5 is not None and evaluated_md5 != model_md5 or model_dir is None and not evaluated_md5:
+        raise EvoError(f"promotion: the evaluation read model {evaluated_md5 or 'none named'} but the candidate is {model_md5 or 'none'} "
+                       "(dvc.lock); re-run evaluate: nothing was registered")
     if not model_digest:
         raise EvoError(f"promotion: the candidate's evaluation names no model_digest, so nothing binds it to {model_dir or model_md5}; re-run evaluate")
     if model_dir is not None:  # the weights are here: they must be the ones evaluated (else dvc.lock's hashes bind them: the caller)

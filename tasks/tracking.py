@@ -239,10 +239,7 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
     grpo = stagerun.lock_entry(rootp, "grpo")
     md5 = next((o["md5"] for o in grpo.get("outs", []) if o["path"] == "data/models/grpo"), "")
     games_md5 = next((o["md5"] for o in stagerun.lock_entry(rootp, "panel").get("outs", []) if o["path"] == "data/panel"), "")  # the games the gate decides on
-    evaluated = next((d_.get("md5") for d_ in stagerun.lock_entry(rootp, "evaluate").get("deps", []) if d_.get("path") == "data/models/grpo"), None)
-    if not md5 or evaluated != md5:  # the binding that holds where the weights are not here (a pool retrain's scheduler)
-        raise EvoError(f"promotion: dvc.lock in {rootp} says evaluate read data/models/grpo {evaluated or 'none'} but grpo made {md5 or 'none'}; "
-                       "re-run evaluate: nothing was registered")
+    evaluated = next((d_.get("md5") for d_ in stagerun.lock_entry(rootp, "evaluate").get("deps", []) if d_.get("path") == "data/models/grpo"), "")
     cand, refs = _evidence(rootp, params_path, games_md5, thresholds)
     results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
     parent = c.get_run(parent_id)
@@ -259,7 +256,8 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
     if not model_dir.exists() and not stagerun.under("data/models/grpo", pool_remote_only):
         raise EvoError(f"promotion: {model_dir} is missing (dvc pull it, or run the retrain again); nothing was registered")
     d = promotion.register(c, name, run_id, model_dir if model_dir.exists() else None, md5, cand, refs, thresholds,
-                           list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"))
+                           list(tracking.curve_rows(rootp / CURVE)), report_dir, pp.log_weights.get(profile, True), results.get("model_digest"),
+                           evaluated)
     if not d.reused:
         # The agent is its weights and its bank: the bank it was evaluated (and is promoted) with, by digest, on the version.
         bank_file = rootp / "data" / "eval" / promotion.CANDIDATE / "bank.json"

@@ -67,6 +67,18 @@ def wait_for(pred, timeout: float, what: str, proc=None, log: Path | None = None
         time.sleep(0.5)
 
 
+def _completion(content: str) -> bytes:
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+
+
+def _send(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class _Chat(BaseHTTPRequestHandler):
     """An OpenAI-compatible chat endpoint that always takes the first admissible command."""
 
@@ -75,13 +87,7 @@ class _Chat(BaseHTTPRequestHandler):
         self.server.seen.append((self.headers.get("Authorization"), body))
         prompt = body["messages"][0]["content"]
         first = prompt.split("ADMISSIBLE COMMANDS: ", 1)[1].split(" | ")[0]
-        out = {"choices": [{"message": {"role": "assistant", "content": f"<think>first</think>\n<action>{first}</action>"}}]}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _send(self, 200, _completion(f"<think>first</think>\n<action>{first}</action>"))
 
     def log_message(self, *a):
         pass
@@ -101,12 +107,7 @@ class _Consolidator(BaseHTTPRequestHandler):
             time.sleep(0.05)
         reply = srv.replies[min(n, len(srv.replies)) - 1]
         reply = reply(n) if callable(reply) else reply
-        status, data = reply if isinstance(reply, tuple) else (200, json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode())
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _send(self, *(reply if isinstance(reply, tuple) else (200, _completion(reply))))
 
     def log_message(self, *a):
         pass

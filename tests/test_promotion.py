@@ -373,3 +373,24 @@ def test_a_summary_that_contradicts_its_episodes_or_a_candidate_without_a_digest
     with pytest.raises(EvoError, match=r"names no model_digest, so nothing binds it to .*model7"):
         promotion.register(c, name, run.info.run_id, _model(tmp_path, 7), "md5-7", ev("grpo-inline", 30, 16), refs(), T, CURVE, tmp_path / "r7")
     assert not c.search_model_versions(f"name='{name}'")  # nothing registered
+
+
+def test_weights_left_on_the_remote_are_bound_to_the_evidence_by_their_dvc_hash(store, tmp_path):
+    """A pool retrain's scheduler never holds the weights: the version is registered on dvc.lock's hashes (the model
+    evaluate read is the candidate), with a DVC pointer for its model artifact; another hash, or none, registers nothing."""
+    import yaml
+
+    c, name, _candidate, _champion = store
+    run = c.create_run(tracking.experiment_id(c, tmp_path), run_name="promote-remote")
+    for evaluated in ("md5-other", None):
+        with pytest.raises(EvoError, match=r"the evaluation read model .* but the candidate is md5-9 \(dvc.lock\); re-run evaluate"):
+            promotion.register(c, name, run.info.run_id, None, "md5-9", ev("grpo-inline", 30, 16), refs(), T, CURVE, tmp_path / "r9",
+                               model_digest="d9", evaluated_md5=evaluated)
+    assert not c.search_model_versions(f"name='{name}' and tag.dvc_md5='md5-9'")
+    d = promotion.register(c, name, run.info.run_id, None, "md5-9", ev("grpo-inline", 30, 16), refs(), T, CURVE, tmp_path / "r9",
+                           model_digest="d9", evaluated_md5="md5-9")
+    mv = c.get_model_version(name, d.version)
+    assert mv.tags["dvc_md5"] == "md5-9" and mv.tags["weights_in_mlflow"] == "false"
+    assert [a.path for a in c.list_artifacts(run.info.run_id, "model")] == ["model/dvc-pointer.yaml"]
+    pointer = yaml.safe_load(open(c.download_artifacts(run.info.run_id, "model/dvc-pointer.yaml", str(tmp_path))))
+    assert pointer == {"path": "data/models/grpo", "md5": "md5-9", "model_digest": "d9", "restore": pointer["restore"]}

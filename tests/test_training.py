@@ -584,3 +584,22 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe
         assert torch.allclose(lp[0, :n], torch.tensor(s.logprobs), atol=1e-4), (lp[0, :n], s.logprobs)
         assert (lp[0, :n] >= free[0, :n] - 1e-5).all() and (lp[0, :n] - free[0, :n]).max() > 0.1  # renormalised, not the free model's
         assert torch.isfinite(ent[0, :n]).all()
+
+
+def test_the_student_as_its_own_consolidator_through_the_same_interface(trained):
+    """``consolidator.endpoint: hf:path=...``: the local model answers the consolidation prompt; what a 2-step student
+    writes is no edit list, so the bank's entries stay as they were, with one warning line."""
+    from evoharness.harness.consolidate import consolidate, make_consolidator
+    from evoharness.harness.experience import Experience
+
+    ep = make_consolidator(f"hf:path={trained['dir'] / 'sft'}")
+    bank = Experience.seeded()
+    before = [(e.id, e.text) for e in bank.entries]
+    warnings: list[str] = []
+    log = consolidate(bank, [], ep, warnings.append)
+    assert isinstance(ep.complete("BANK: []"), str)  # the model really answers
+    assert [(e.id, e.text) for e in bank.entries] == before and bank.updates == 1
+    assert len(warnings) == 1 and "consolidator reply refused, bank unchanged" in warnings[0] and log[0]["op"] == "none"
+    bad = make_consolidator("hf:path=/nowhere/model")
+    consolidate(bank, [], bad, warnings.append)
+    assert "consolidator checkpoint /nowhere/model does not load" in warnings[-1]
