@@ -17,8 +17,8 @@ from pathlib import Path
 
 def synth_demos(path: Path, n_turns: int, seed: int = 0) -> int:
     """Episodes shaped like teacher demos: 20 turns each, real prompt sizes (~360 words)."""
-    from evoharness.alfworld.families import FAMILIES
-    from evoharness.episode import TurnView, build_prompt, format_response
+    from evoharness.agent.alfworld.families import FAMILIES
+    from evoharness.agent.episode import TurnView, build_prompt, format_response
 
     rng = random.Random(seed)
     fams = list(FAMILIES)
@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=100_000)
     ap.add_argument("--repo", type=Path, default=Path("."))
     args = ap.parse_args()
-    from evoharness.data.pairs import build_pairs
-    from evoharness.data.validation import gate
+    from evoharness.agent.pairs import build_pairs
+    from evoharness.ops.validation import gate
 
     tmp = Path(tempfile.mkdtemp())
     demos = tmp / "demos.jsonl"
@@ -76,7 +76,7 @@ def main() -> None:
     print(f"gate total (trajectories + pairs): {t_traj + t_pairs_val:.1f} s for {n:,} turns (target: 100k turns in <= 30 s)")
     repo = args.repo.resolve()
     if (repo / "dvc.lock").exists():
-        from evoharness.lineage import dvc
+        from evoharness.ops.vcs import dvc
 
         times = []
         for _ in range(3):

@@ -26,7 +26,7 @@ def play_expert(worker, game, seed=0, max_steps=60):
 
 
 def measure(games, workers: int, speedups: bool) -> dict:
-    from evoharness.envpool import EnvPool
+    from evoharness.agent.envpool import EnvPool
 
     with EnvPool(workers, speedups=speedups) as pool:
         pool.map(lambda w, g: w.reset(g.path, 0), games[:workers])  # spawn + import, not measured
@@ -56,11 +56,11 @@ def main() -> None:
     ap.add_argument("--split", default="valid_unseen")
     ap.add_argument("--per-family", type=int, default=2)
     args = ap.parse_args()
-    from evoharness.alfworld.games import list_games
+    from evoharness.agent.alfworld.games import list_games
 
     root = args.games
     if root is None:
-        from evoharness.alfworld.generate import GenConfig, generate
+        from evoharness.agent.alfworld.generate import GenConfig, generate
 
         root = Path(tempfile.mkdtemp()) / "games"
         generate(root, GenConfig(seed=11, per_family={"train": 0, "valid_seen": 0, "valid_unseen": args.per_family}))

@@ -46,8 +46,8 @@ def outcomes_of(project: Path) -> list[dict]:
 
 def derive(rows: list[dict]) -> dict:
     """Every figure from the per-episode outcomes alone."""
-    from evoharness.evaluate import fisher_greater, wilson
-    from evoharness.promotion import mcnemar_worse
+    from evoharness.agent.evaluate import fisher_greater, wilson
+    from evoharness.ops.evidence import mcnemar_worse
 
     by: dict[tuple[str, str], dict[str, int]] = {}
     for r in rows:
@@ -80,7 +80,7 @@ def table(res: dict, times: dict | None) -> str:
             s = res["models"][m].get(split)
             cells.append(f"{s['success']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}] ({s['wins']}/{s['episodes']})" if s else "–")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    from evoharness.compare import format_p
+    from evoharness.agent.compare import format_p
 
     lines += ["", "| claim | split | p |", "|---|---|---|"] + [f"| {c['claim']} | {c['split']} | {format_p(c['p'])} |" for c in res["claims"]]
     if times:
@@ -94,7 +94,7 @@ def stage_times(project: Path) -> dict:
 
     from mlflow import MlflowClient
 
-    from evoharness import tracking
+    from evoharness.ops import tracking
 
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking.tracking_uri(project))
     c = MlflowClient(tracking_uri=tracking.tracking_uri(project))

@@ -32,17 +32,17 @@ def pick_games(games_root: Path, sft: Path, bank: Path, n: int, rollouts: int, p
     wins some rollouts of but not all, whose win rate is closest to ``target`` (ties by id): games with
     a signal and room to rise 30 points. Why not one half: a rate from 4 rollouts is noisy, so games
     picked at 2/4 regress to the pool's mean (the lr-0 control won 62 % of them over 40 updates)."""
-    from evoharness.alfworld.games import list_games
-    from evoharness.evaluate import evaluate
-    from evoharness.harness.experience import Experience
-    from evoharness.policies import PolicySpec
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.policies import PolicySpec
 
     games = list_games(games_root, "train")
     spec = PolicySpec(kind="hf", path=str(sft), sample=True, temperature=1.0, max_new_tokens=profile.grpo.max_new_tokens,
                       constrained=profile.decoding == "constrained")
     cfg = params.episode.model_copy(update={"max_steps": profile.grpo.max_steps_per_episode,
                                             "harness": params.episode.harness.model_copy(update={"charge_meta_actions": profile.grpo.charge_meta_actions})})
-    from evoharness.rollout import read_jsonl
+    from evoharness.agent.rollout import read_jsonl
 
     sel = out / "selection" / "episodes.jsonl"
     recs, _ = read_jsonl(sel) if sel.exists() else ([], None)
@@ -69,7 +69,7 @@ def choose(wins: dict[str, list[int]], n: int, target: float) -> list[dict]:
 
 
 def run(label: str, lr: float, ids: list[str], args, profile, params, out: Path) -> list[dict]:
-    from evoharness.training.grpo import train_grpo
+    from evoharness.agent.training.grpo import train_grpo
 
     g = profile.grpo.model_copy(update={"games_per_step": len(ids), "rollouts": args.rollouts, "steps": args.updates, "learning_rate": lr,
                                         "temperature": 1.0, "scheduler": "constant", "save_steps": 10_000, "micro_batch": 0})
@@ -145,8 +145,8 @@ def main() -> None:
     again.add_argument("--fresh", action="store_true", help="remove the check's own files under --out and run it all again")
     again.add_argument("--rerun", action="store_true", help="keep a selection of the same inputs, run GRPO and the control again")
     args = ap.parse_args()
-    from evoharness.training.checkpoint import weights_digest
-    from evoharness.training.sft import file_digest
+    from evoharness.agent.training.checkpoint import weights_digest
+    from evoharness.agent.training.sft import file_digest
 
     # What the check's finished parts depend on: reused only when these are the same (else refused,
     # unless --fresh, which removes the check's own files and nothing else under --out).
@@ -160,8 +160,8 @@ def main() -> None:
     stamp = args.out / "inputs.json"
     args.out.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps(inputs, indent=1))
-    from evoharness.config import load_params
-    from evoharness.training.profiles import load_profile
+    from evoharness.core.config import load_params
+    from evoharness.agent.training.profiles import load_profile
 
     params = load_params(args.params)
     profile = load_profile("tiny-cpu", args.params)

@@ -43,20 +43,20 @@ def main() -> None:
                     help="updates over which the diversity weight anneals (default: the last stop); with the same value and "
                          "--set '{\"save_steps\": N}' a later run of the same tag resumes an earlier run's checkpoint at N")
     args = ap.parse_args()
-    from evoharness.alfworld.games import list_games
-    from evoharness.compare import eval_setup, per_family
-    from evoharness.config import load_params
-    from evoharness.envpool import EnvPool
-    from evoharness.evaluate import evaluate
-    from evoharness.harness.experience import Experience
-    from evoharness.training.grpo import train_grpo
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.compare import eval_setup, per_family
+    from evoharness.core.config import load_params
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.training.grpo import train_grpo
+    from evoharness.agent.training.profiles import load_profile
 
     try:
         stops = [int(x) for x in args.stops.split(",")]
     except ValueError:
         raise SystemExit(f"error: --stops {args.stops!r} must be update counts separated by commas") from None
-    from evoharness.errors import EvoError
+    from evoharness.core.errors import EvoError
 
     try:
         found = list_games(args.train_games, "train")

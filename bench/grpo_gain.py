@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def fresh_games(out: Path, split: str, per_family: int, seed: int) -> Path:
-    from evoharness.alfworld import generate as G
-    from evoharness.config import load_params
+    from evoharness.agent.alfworld import generate as G
+    from evoharness.core.config import load_params
 
     root = out / f"games-{split}"
     made = root / "made-with.json"  # reused only when made with the same seed and count
@@ -60,8 +60,8 @@ def this_run(episodes: Path, games: list, seeds: list[int], spec, cfg, bank) -> 
     the records of earlier evaluations in the same folder (another model under the same label, another bank),
     so only the episodes whose fingerprint this evaluation asked for are read (an errored one counts as lost, as in
     the gate); one missing stops the bench."""
-    from evoharness.episode import fingerprint
-    from evoharness.policies import make_policy
+    from evoharness.agent.episode import fingerprint
+    from evoharness.agent.policies import make_policy
 
     policy = make_policy(spec)
     wanted = {fingerprint(g, s, policy, cfg, bank) for s in seeds for g in games}
@@ -75,7 +75,7 @@ def this_run(episodes: Path, games: list, seeds: list[int], spec, cfg, bank) -> 
 def paired(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float, float, float]:
     """On the games both played: (games only b won, games only a won, b − a in points, 1.96 paired standard
     errors in points, McNemar's exact one-sided p that b is better)."""
-    from evoharness.promotion import mcnemar_worse
+    from evoharness.ops.evidence import mcnemar_worse
 
     only_b, only_a, p = mcnemar_worse(a, b)  # "a worse than b" is "b better than a"
     n = len(a.keys() & b.keys())
@@ -92,13 +92,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=777, help="the fresh games' generator seed")
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_gain/run"))
     args = ap.parse_args()
-    from evoharness.alfworld.games import list_games
-    from evoharness.compare import eval_setup, per_family
-    from evoharness.config import load_params
-    from evoharness.envpool import EnvPool
-    from evoharness.evaluate import evaluate, wilson
-    from evoharness.harness.experience import Experience
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.compare import eval_setup, per_family
+    from evoharness.core.config import load_params
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.evaluate import evaluate, wilson
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.training.profiles import load_profile
 
     models = []
     for m in args.models:

@@ -49,7 +49,7 @@ def t_interval(xs: list[float]) -> tuple[float, float, float]:
 
 def summarize(outcomes: dict[tuple[str, str], dict[str, int]], seeds: list[int], splits: list[str]) -> dict:
     """The figures, from the per-episode outcomes only (so anyone can re-derive them from outcomes.jsonl)."""
-    from evoharness.promotion import mcnemar_worse
+    from evoharness.ops.evidence import mcnemar_worse
 
     res: dict = {"seeds": seeds, "splits": {}}
     for split in splits:
@@ -88,13 +88,13 @@ def main() -> None:
     ap.add_argument("--splits", default="valid_seen,valid_unseen")
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_seeds/run"))
     args = ap.parse_args()
-    from evoharness.alfworld.games import list_games
-    from evoharness.compare import eval_setup
-    from evoharness.config import load_params
-    from evoharness.envpool import EnvPool
-    from evoharness.evaluate import evaluate
-    from evoharness.harness.experience import Experience
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.compare import eval_setup
+    from evoharness.core.config import load_params
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.training.profiles import load_profile
     from grpo_gain import this_run
 
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -111,11 +111,11 @@ def generation_rate(model, rows: int, prompt_words: int, new_tokens: int, device
     (sampled, constrained to the format and the admissible commands)."""
     from types import SimpleNamespace
 
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.training.tiny import build_tokenizer
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.training.tiny import build_tokenizer
 
     text = prompt_text(prompt_words)
-    from evoharness.data import tokens as wl
+    from evoharness.agent import tokens as wl
 
     vocab = sorted(set(wl.words(text)) | {"<think>", "</think>", "<action>", "</action>", "track", "commit", "recall", "note", "I", "go"})
     tok = build_tokenizer(vocab)
@@ -151,9 +151,9 @@ def vllm_rate(model, rows: int, prompt_words: int, new_tokens: int, device: str,
     import tempfile
     from types import SimpleNamespace
 
-    from evoharness.data import tokens as wl
-    from evoharness.policies.batched import VLLMGenerator
-    from evoharness.training.tiny import build_tokenizer
+    from evoharness.agent import tokens as wl
+    from evoharness.agent.policies.batched import VLLMGenerator
+    from evoharness.agent.training.tiny import build_tokenizer
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -166,7 +166,7 @@ def vllm_rate(model, rows: int, prompt_words: int, new_tokens: int, device: str,
         model.save_pretrained(d)
         tok.save_pretrained(d)
         t0 = time.perf_counter()
-        from evoharness.policies.vllm_engine import ConstraintLogitsProcessor
+        from evoharness.agent.policies.vllm_engine import ConstraintLogitsProcessor
 
         llm = LLM(model=d, dtype=dtype, max_model_len=min(4096, model.config.max_position_embeddings), enforce_eager=device == "cpu",
                   gpu_memory_utilization=0.5 if device == "cuda" else 0.9, seed=0, logits_processors=[ConstraintLogitsProcessor],

@@ -54,7 +54,7 @@ def stage_seconds(repo: Path) -> float:
     free of the run-to-run noise of training on 2 cores."""
     from mlflow import MlflowClient
 
-    from evoharness import tracking
+    from evoharness.ops import tracking
 
     c = MlflowClient(tracking_uri=f"sqlite:///{repo / tracking.DB_NAME}")  # the store the bench's runs used
     exp = c.get_experiment_by_name(tracking.EXPERIMENT)

@@ -31,14 +31,14 @@ def main() -> None:
 
     import torch
 
-    from evoharness.alfworld.games import list_games
-    from evoharness.envpool import EnvPool
-    from evoharness.episode import EpisodeConfig, run_episode
-    from evoharness.harness.experience import Experience
-    from evoharness.harness.workspace import HarnessConfig
-    from evoharness.policies import batched
-    from evoharness.policies.hf import load
-    from evoharness.training.grpo import RecordingPolicy
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.episode import EpisodeConfig, run_episode
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.harness.workspace import HarnessConfig
+    from evoharness.agent.policies import batched
+    from evoharness.agent.policies.hf import load
+    from evoharness.agent.training.grpo_rollouts import RecordingPolicy
 
     torch.set_num_threads(2)
     tok, model, _ = load(str(args.model))

@@ -65,13 +65,13 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--out", type=Path, default=Path("bench/results/sampling_eval/run"))
     args = ap.parse_args()
-    from evoharness.alfworld.games import list_games
-    from evoharness.compare import eval_setup
-    from evoharness.config import load_params
-    from evoharness.envpool import EnvPool
-    from evoharness.evaluate import evaluate
-    from evoharness.harness.experience import Experience
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.compare import eval_setup
+    from evoharness.core.config import load_params
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.training.profiles import load_profile
     from grpo_gain import this_run
 
     seeds, splits = [int(s) for s in args.seeds.split(",")], args.splits.split(",")

@@ -31,8 +31,8 @@ def _random_batches(lengths, batch, rng, mega=50):
 def pretrain_run(base: Path, demos: Path, steps: int, plain: bool) -> dict:
     from transformers import AutoTokenizer
 
-    from evoharness.rollout import read_jsonl
-    from evoharness.training import shared_head, tiny
+    from evoharness.agent.rollout import read_jsonl
+    from evoharness.agent.training import shared_head, tiny
 
     info = json.loads((base / "base_info.json").read_text())
     cfg = {k: info[k] for k in ("hidden_size", "intermediate_size", "layers", "heads", "kv_heads", "max_length")}
@@ -52,9 +52,9 @@ def pretrain_run(base: Path, demos: Path, steps: int, plain: bool) -> dict:
 
 
 def sft_run(pairs: Path, base: Path, steps: int, plain: bool) -> dict:
-    from evoharness.training import shared_head
-    from evoharness.training.profiles import load_profile
-    from evoharness.training.sft import train_sft
+    from evoharness.agent.training import shared_head
+    from evoharness.agent.training.profiles import load_profile
+    from evoharness.agent.training.sft import train_sft
 
     prof = load_profile("tiny-cpu", ROOT / "params.yaml")
     prof = prof.model_copy(update={"sft": prof.sft.model_copy(update={"group_by_length": not plain, "eval_steps": 10**6})})

@@ -73,13 +73,13 @@ def main() -> None:
             continue
         stage(name, cmd, log)
 
-    from evoharness.alfworld.games import list_games
-    from evoharness.compare import eval_setup, per_family
-    from evoharness.config import load_params
-    from evoharness.envpool import EnvPool
-    from evoharness.evaluate import evaluate
-    from evoharness.harness.experience import Experience
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.compare import eval_setup, per_family
+    from evoharness.core.config import load_params
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.training.profiles import load_profile
 
     p, profile = load_params(str(params)), load_profile("tiny-cpu", str(params))
     with EnvPool(profile.episode_workers) as pool:

@@ -23,11 +23,11 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=2)
     ap.add_argument("--decode-prompts", type=int, default=64)
     args = ap.parse_args()
-    from evoharness.reward import RewardConfig
-    from evoharness.training.grpo import train_grpo
-    from evoharness.training.profiles import load_profile
-    from evoharness.training.sft import train_sft
-    from evoharness.training.tiny import make_tiny_base
+    from evoharness.agent.reward import RewardConfig
+    from evoharness.agent.training.grpo import train_grpo
+    from evoharness.agent.training.profiles import load_profile
+    from evoharness.agent.training.sft import train_sft
+    from evoharness.agent.training.tiny import make_tiny_base
 
     prof = load_profile("tiny-cpu", args.params)
     tmp = Path(tempfile.mkdtemp())
@@ -56,10 +56,10 @@ def decode_rows(model_dir: Path, pairs: Path, n: int, max_new: int) -> list[tupl
 
     import pandas as pd
 
-    from evoharness.episode import TurnView
-    from evoharness.harness.workspace import META_VERBS
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import Sampler, load
+    from evoharness.agent.episode import TurnView
+    from evoharness.agent.harness.workspace import META_VERBS
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import Sampler, load
 
     df = pd.read_parquet(pairs / "train.parquet").head(n)
     jobs = []

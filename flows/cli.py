@@ -25,15 +25,15 @@ def run(
     # can take longer than Prefect's 20 s default. Set before Prefect reads its settings.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no internet here; its failures are noise
-    from evoharness.lineage import repo_root
-    from evoharness.pipeline import print_results
-    from evoharness.preflight import check_git, writable_dir
+    from evoharness.ops.preflight import check_git, writable_dir
+    from evoharness.ops.report import print_results
+    from evoharness.ops.vcs import repo_root
     from flows.common import check_prefect
 
     check_git()
     root = repo_root(Path.cwd())
     if Path(params).resolve() != (root / "params.yaml").resolve():  # before any server starts (the flow's preflight says the same)
-        from evoharness.errors import EvoError
+        from evoharness.core.errors import EvoError
 
         raise EvoError(f"--params {params}: the stages read {root / 'params.yaml'} (dvc.yaml) and the git record commits it; "
                        "put these settings in params.yaml (DVC reruns the stages they change)")
@@ -51,7 +51,7 @@ def run(
 @app.command()
 def deploy():
     """Register prefect.yaml's deployments: work pools, the retrain crons (a re-deploy keeps which are active)."""
-    from evoharness.lineage import repo_root
+    from evoharness.ops.vcs import repo_root
     from flows.deploy import deploy as run_deploy
 
     run_deploy(repo_root(Path.cwd()), echo=typer.echo)

@@ -6,7 +6,7 @@ import os
 import urllib.error
 import urllib.request
 
-from evoharness.errors import EvoError
+from evoharness.core.errors import EvoError
 
 
 def prefect_api() -> str | None:

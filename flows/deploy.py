@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from evoharness.errors import EvoError
-from evoharness.lineage import git, is_network_url, redact
-from evoharness.secrets import public_url
+from evoharness.core.errors import EvoError
+from evoharness.core.secrets import public_url, redact
+from evoharness.ops.vcs import git, is_network_url
 from flows.common import check_prefect
 
 

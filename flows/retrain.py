@@ -19,9 +19,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from evoharness import stagerun
-from evoharness.errors import EvoError
-from evoharness.tracking import client_uri, tracking_uri
+from evoharness.core.errors import EvoError
+from evoharness.ops import stagerun
+from evoharness.ops.tracking import client_uri, tracking_uri
 from tasks import stages as st
 from tasks import tracking as tr
 
@@ -34,11 +34,12 @@ def preflight(root: Path, params_path: str, pool: str | None = None, echo=None):
     (a run, an artifact, a model version and an alias; the champion's evidence), the git record (a commit
     can be made, the origin accepts its push), and for a pool what another machine can use. Each failure
     is one line; each check that passed says so in one line through ``echo``."""
-    from evoharness import preflight as pf
-    from evoharness import promotion, tracking
-    from evoharness.config import load_params
-    from evoharness.lineage import check_remote, check_shared, ensure_remote
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.training.profiles import load_profile
+    from evoharness.core.config import load_params
+    from evoharness.ops import decision, remote, tracking
+    from evoharness.ops import preflight as pf
+    from evoharness.ops.remote import check_shared, ensure_remote
+    from evoharness.ops.vcs import check_remote
 
     say = echo or (lambda _m: None)
     if not (root / "dvc.yaml").exists():
@@ -52,15 +53,15 @@ def preflight(root: Path, params_path: str, pool: str | None = None, echo=None):
     p = load_params(str(root / params_path))
     load_profile(p.profile, root / params_path)
     pf.check_stage_params(root)
-    pp, _ = promotion.load_promotion(root / params_path, p.profile)
+    pp, _ = decision.load_promotion(root / params_path, p.profile)
     if pool:
         check_shared(root, f"--pool {pool}")  # before ensure_remote could make a local one
     ensure_remote(root)
     check_remote(root)
-    say(f"preflight: DVC remote {pf.check_remote_writable(root)} accepts a write")
+    say(f"preflight: DVC remote {remote.check_remote_writable(root)} accepts a write")
     stagerun.clear_stale_locks(root)
     tracking.check_tracking(tracking.tracking_uri(root))
-    say(f"preflight: MLflow {pf.check_mlflow(root, promotion.registered_name(pp, p.profile))} accepts a run, an artifact, a model version and an alias")
+    say(f"preflight: MLflow {pf.check_mlflow(root, decision.registered_name(pp, p.profile))} accepts a run, an artifact, a model version and an alias")
     commit, who = pf.check_record(root)
     say(f"preflight: the git record can be committed, as {who}")
     pushed_to = pf.check_origin_push(root, commit)

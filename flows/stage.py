@@ -3,7 +3,7 @@ the git origin under the worker's own home.
 
 This flow is only the driver (its code is whatever the pull step cloned): it checks out the dispatched
 commit, refuses a box whose packages differ from the commit's constraints file, holds the workspace
-with a local lock, and runs the job with the commit's own code in a subprocess (``stagerun.run_in_checkout``),
+with a local lock, and runs the job with the commit's own code in a subprocess (``dispatch.run_in_checkout``),
 killed at the stage's time limit or when this box has not reached the Prefect server for ``fence_s``.
 Inputs arrive by hash from the DVC remote and outputs leave the same way; the stage's new ``dvc.lock``
 entry is published as an artifact the orchestrator reads back. The flow run sends Prefect's heartbeats
@@ -21,8 +21,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from evoharness import stagerun
-from evoharness.errors import EvoError
+from evoharness.core.errors import EvoError
+from evoharness.ops import dispatch
 from flows.common import prefect_api
 from tasks.stages import JOB_ARTIFACT, job_markdown
 
@@ -102,7 +102,7 @@ def check_origin(repo: str) -> None:
     if r.returncode or not mine:
         raise EvoError(f"this job's code at {here} has no git origin to compare the dispatched repository with; nothing runs")
     if without_userinfo(repo) != without_userinfo(mine):
-        from evoharness.secrets import redact
+        from evoharness.core.secrets import redact
 
         raise EvoError(f"the job names repository {redact(repo)}, not the origin this deployment clones ({redact(without_userinfo(mine))}); nothing runs")
 
@@ -128,15 +128,15 @@ def _name_the_box() -> None:
 
 @flow(name="train-stage", log_prints=True)
 def train_stage(spec: dict, home: str | None = None) -> dict:
-    """spec: {stage, repo, commit, lock, remote, time_limit_s, fence_s} as built by the orchestrator (``stagerun.job_spec``)."""
-    from evoharness.reproduce import environment_mismatch
+    """spec: {stage, repo, commit, lock, remote, time_limit_s, fence_s} as built by the orchestrator (``dispatch.job_spec``)."""
+    from evoharness.ops.reproduce import environment_mismatch
 
     _name_the_box()
     check_origin(spec["repo"])
     home_p = Path(home) if home else None
-    ws = stagerun.workspace(spec["repo"], spec["stage"], home_p)
-    with stagerun.workspace_lock(ws, print):
-        ws = stagerun.checkout(spec, home_p, print, token=git_token(spec["repo"]))
+    ws = dispatch.workspace(spec["repo"], spec["stage"], home_p)
+    with dispatch.workspace_lock(ws, print):
+        ws = dispatch.checkout(spec, home_p, print, token=git_token(spec["repo"]))
         mismatch = environment_mismatch(spec["commit"], ws)
         if mismatch:
             raise EvoError(f"stage {spec['stage']!r} on {box_name()}: {mismatch}; this box does not run the commit's environment: "
@@ -147,7 +147,7 @@ def train_stage(spec: dict, home: str | None = None) -> dict:
             from prefect.runtime import flow_run
 
             spec = {**spec, "flow_run_id": str(flow_run.id) if flow_run.id else None}
-            res = stagerun.run_in_checkout(spec, ws, float(spec.get("time_limit_s") or DEFAULT_TIME_LIMIT_S), fence, get_run_logger().info)
+            res = dispatch.run_in_checkout(spec, ws, float(spec.get("time_limit_s") or DEFAULT_TIME_LIMIT_S), fence, get_run_logger().info)
         finally:
             fence.close()
     create_markdown_artifact(key=JOB_ARTIFACT, markdown=job_markdown(res), description=f"outputs of {res.stage} by hash")

@@ -6,7 +6,7 @@ DVC locks the repo, so two commands at once fail. A retrain holds its checkout's
 checkout's own DVC state, it needs no server (a Prefect restart of any length cannot take it away; the
 server's concurrency leases live in its memory unless configured otherwise) and the kernel frees it the
 moment its holder dies (nothing to expire, nothing stuck). A pool job holds its own workspace the same
-way on its box (``stagerun.workspace_lock``).
+way on its box (``dispatch.workspace_lock``).
 
 A dispatched job is watched, never waited on blindly, and only by clocks that cannot disagree: the
 orchestrator notes, on its own monotonic clock, when it first sees each new heartbeat of the job's
@@ -37,8 +37,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from evoharness import stagerun
-from evoharness.errors import EvoError
+from evoharness.core.errors import EvoError
+from evoharness.ops import dispatch, stagerun
 
 JOB_HEARTBEAT_S = 30  # prefect.yaml: PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the stage jobs
 JOB_ARTIFACT = "stage-job-result"
@@ -114,7 +114,7 @@ def stage_markdown(res: stagerun.StageResult, metrics: dict | None) -> str:
             lines.append(f"| {kind} | `{path}` | `{md5}` |")
     if metrics:
         lines += ["", "| metric | value |", "|---|---|"]
-        from evoharness.tracking import flatten
+        from evoharness.ops.tracking import flatten
 
         for k, v in list(flatten(metrics).items())[:60]:
             lines.append(f"| {k} | {v} |")
@@ -336,9 +336,9 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
         if stagerun.stage_up_to_date(root_p, stage, remote_only):  # made before (a rerun after a failure): no job is needed
             log.info(f"{stage}: up to date here (dvc status): nothing to dispatch")
             return stagerun.StageResult(stage, False, round(time.time() - t0, 2), stagerun.lock_entry(root_p, stage), where="up to date here")
-        spec = stagerun.job_spec(root_p, stage, f"--pool {pool}")
+        spec = dispatch.job_spec(root_p, stage, f"--pool {pool}")
         spec.update(time_limit_s=limits["time_limit_s"], fence_s=limits["fence_s"])
-        ups = stagerun.push_inputs(root_p, stage)
+        ups = dispatch.push_inputs(root_p, stage)
         inputs = {o["path"]: o.get("md5") for u in ups for o in stagerun.lock_entry(root_p, u).get("outs", [])}
     key = hashlib.sha256(json.dumps([deployment, spec["commit"], stage, inputs], sort_keys=True).encode()).hexdigest()[:24]
     with get_client(sync_client=True) as c:
@@ -366,7 +366,7 @@ def dispatch_stage(root: str, stage: str, deployment: str, pool: str, limits: di
                        f"flow run {fr.name} ({fr.id}) has its logs")
     job = _job_result(fr.id)
     with _CHECKOUT:
-        outs = stagerun.receive(root_p, stage, job["entry"], job.get("files") or {}, remote_only)
+        outs = dispatch.receive(root_p, stage, job["entry"], job.get("files") or {}, remote_only)
     log.info(f"{stage}: received {outs} from job {fr.id} on {_box(fr)}")
     return stagerun.StageResult(stage, bool(job.get("ran")), round(time.time() - t0, 2), job["entry"], where=f"pool {pool} job {fr.id} on {fr.infrastructure_pid}",
                                 machine=str(job.get("machine") or ""))
@@ -405,7 +405,7 @@ def publish(res: stagerun.StageResult, metrics: dict | None, root: str | None = 
         if res.stage == "evaluate" and comparison.exists():
             md = "Per-family success (%) on valid_seen / valid_unseen, calls per episode by verb:\n\n" + comparison.read_text() + "\n" + md
         elif res.stage == "baselines" and baselines.exists():
-            from evoharness.evaluate import format_table
+            from evoharness.agent.evaluate import format_table
 
             tables = "\n".join(format_table(label, s_) for label, s_ in json.loads(baselines.read_text()).items())
             md = f"```\n{tables}\n```\n\n" + md

@@ -13,10 +13,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from evoharness import stagerun, tracking
-from evoharness.lineage import git
-from evoharness.errors import EvoError
-from evoharness.secrets import redact
+from evoharness.core import environment
+from evoharness.core.errors import EvoError
+from evoharness.core.secrets import redact
+from evoharness.ops import stagerun, tracking
+from evoharness.ops.vcs import git
 
 # Stage → its metrics JSON (the DVC metrics file) and, for GRPO, the per-update curve.
 METRICS = {
@@ -47,7 +48,7 @@ def start_parent(root: str, params_path: str, profile: str, pool: str | None, fl
     c = tracking.client(Path(root))
     exp = tracking.experiment_id(c, Path(root))
     tags = {**git_state(Path(root)), "profile": profile, "pool": pool or "in-process", "kind": "retrain",
-            "prefect.flow_run_id": flow_run_id or "none", "host": platform.node(), "machine": stagerun.machine()}
+            "prefect.flow_run_id": flow_run_id or "none", "host": platform.node(), "machine": environment.machine()}
     run = c.create_run(exp, run_name=f"retrain-{profile}", tags=tags)
     params = yaml.safe_load(Path(root, params_path).read_text()) or {}
     prof = (params.get("profiles") or {}).get(profile, {})
@@ -94,7 +95,7 @@ def record(root: str, parent_id: str, summary: dict) -> dict:
     """The retrain's git record (``reproduce.record_run``): a commit holding its dvc.lock, params and
     metrics, tagged ``retrain/<run id>`` and pushed to a network origin; the MLflow run names it. Made
     after the gate decided and before the decision is final (``finalize``): no alias moves without it."""
-    from evoharness.reproduce import record_run
+    from evoharness.ops.records import record_run
 
     msg = (f"retrain {parent_id}: {summary.get('profile', '')} profile; ran {summary.get('ran', 'none')}; reused {summary.get('cached', 'none')}; "
            f"{summary.get('decision', '?')} (model version {summary.get('model_version', '?')})\n\nMLflow run {parent_id}")
@@ -164,20 +165,20 @@ def fail_parent(root: str, parent_id: str, error: str) -> None:
 def _evidence(rootp: Path, params_path: str, games_md5: str, t) -> tuple:
     """The candidate's evaluation and those it must beat or not regress against, read from the evaluate and
     baselines stages."""
-    from evoharness import promotion
-    from evoharness.config import load_params
-    from evoharness.policies.spec import policy_label
+    from evoharness.agent.policies.spec import policy_label
+    from evoharness.core.config import load_params
+    from evoharness.ops import evidence
 
     mode = load_params(str(rootp / params_path)).episode.harness.mode
     evald, based = rootp / "data" / "eval", rootp / "data" / "baselines"
 
     def dirs(label: str) -> dict[str, Path]:
         if (evald / label).is_dir():
-            return {s: evald / label / s for s in promotion.SPLITS}
-        return {s: based / f"{policy_label(label)}-{mode}-{s}" for s in promotion.SPLITS}
+            return {s: evald / label / s for s in evidence.SPLITS}
+        return {s: based / f"{policy_label(label)}-{mode}-{s}" for s in evidence.SPLITS}
 
-    cand = promotion.evidence_from_dirs(promotion.CANDIDATE, dirs(promotion.CANDIDATE), games_md5)
-    refs = {label: promotion.evidence_from_dirs(label, dirs(label), games_md5) for label in dict.fromkeys([*t.must_beat, *t.no_regression])}
+    cand = evidence.evidence_from_dirs(evidence.CANDIDATE, dirs(evidence.CANDIDATE), games_md5)
+    refs = {label: evidence.evidence_from_dirs(label, dirs(label), games_md5) for label in dict.fromkeys([*t.must_beat, *t.no_regression])}
     return cand, refs
 
 
@@ -197,10 +198,10 @@ def gate_slot(root: str, params_path: str, profile: str, log=print) -> Iterator[
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectAlreadyExists
 
-    from evoharness import promotion
+    from evoharness.ops import decision
 
-    pp, _ = promotion.load_promotion(Path(root) / params_path, profile)
-    name = promotion.registered_name(pp, profile)
+    pp, _ = decision.load_promotion(Path(root) / params_path, profile)
+    name = decision.registered_name(pp, profile)
     limit = GATE_LIMIT_PREFIX + "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in name)
     with get_client(sync_client=True) as c:
         try:
@@ -229,19 +230,19 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
     failed attempt left pending (``promotion.register``), never reports one it did not make. In a pool retrain
     the weights stay on the remote (``pool_remote_only``): dvc.lock binds the evaluation to them (evaluate's dep
     hash is grpo's output hash, the version's dvc_md5)."""
-    from evoharness import promotion
+    from evoharness.ops import decision, evidence, promotion
 
     rootp = Path(root)
     pool_remote_only = list(pool_remote_only or [])
-    pp, thresholds = promotion.load_promotion(rootp / params_path, profile)
+    pp, thresholds = decision.load_promotion(rootp / params_path, profile)
     c = tracking.client(rootp)
-    name = promotion.registered_name(pp, profile)
+    name = decision.registered_name(pp, profile)
     grpo = stagerun.lock_entry(rootp, "grpo")
     md5 = next((o["md5"] for o in grpo.get("outs", []) if o["path"] == "data/models/grpo"), "")
     games_md5 = next((o["md5"] for o in stagerun.lock_entry(rootp, "panel").get("outs", []) if o["path"] == "data/panel"), "")  # the games the gate decides on
     evaluated = next((d_.get("md5") for d_ in stagerun.lock_entry(rootp, "evaluate").get("deps", []) if d_.get("path") == "data/models/grpo"), "")
     cand, refs = _evidence(rootp, params_path, games_md5, thresholds)
-    results = json.loads((rootp / "data" / "eval" / promotion.CANDIDATE / "results.json").read_text())
+    results = json.loads((rootp / "data" / "eval" / evidence.CANDIDATE / "results.json").read_text())
     parent = c.get_run(parent_id)
     existing = c.search_model_versions(f"name='{name}' and tag.dvc_md5='{md5}'")
     if existing and (max(existing, key=lambda m: int(m.version)).tags or {}).get("decision.state") == "pending":
@@ -260,7 +261,7 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
                            evaluated)
     if not d.reused:
         # The agent is its weights and its bank: the bank it was evaluated (and is promoted) with, by digest, on the version.
-        bank_file = rootp / "data" / "eval" / promotion.CANDIDATE / "bank.json"
+        bank_file = rootp / "data" / "eval" / evidence.CANDIDATE / "bank.json"
         if bank_file.exists():
             c.log_artifact(run_id, str(bank_file), "model")
         for k in ("bank_digest", "bank_mode"):
@@ -277,9 +278,9 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
 def finalize(root: str, decision: dict, git_ref: str | None) -> dict:
     """Make the gate's decision final now that the run's git record exists: the version names the
     record, the aliases move, the state becomes complete (``promotion.finalize``)."""
-    from evoharness import promotion
+    from evoharness.ops import decision, promotion
 
-    d = promotion.Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
+    d = decision.Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
                            reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")},
                            champion_version=decision["champion_before"])  # the compare-and-set's "compared with"
     promotion.finalize(tracking.client(Path(root)), decision["model"], d, git_ref)

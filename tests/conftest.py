@@ -38,7 +38,7 @@ def canary() -> str:
 @pytest.fixture(scope="session")
 def games_root(tmp_path_factory) -> Path:
     """One game per family in each of train, valid_seen and valid_unseen (18 games)."""
-    from evoharness.alfworld.generate import GenConfig, generate
+    from evoharness.agent.alfworld.generate import GenConfig, generate
 
     root = tmp_path_factory.mktemp("games")
     generate(root, GenConfig(seed=7, per_family={"train": 1, "valid_seen": 1, "valid_unseen": 1}))
@@ -55,7 +55,7 @@ def games_copy(games_root, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def pool():
-    from evoharness.envpool import EnvPool
+    from evoharness.agent.envpool import EnvPool
 
     p = EnvPool(2)
     yield p
@@ -264,7 +264,7 @@ class S3:
 
     def configure(self, repo: Path, url: str, name: str = "storage", run=None) -> None:
         """The remote in the committed config (URL, endpoint), its credentials only in config.local."""
-        from evoharness.lineage import dvc
+        from evoharness.ops.vcs import dvc
 
         dvc(["remote", "add", "-d", "-f", name, url], repo)
         dvc(["remote", "modify", name, "endpointurl", self.endpoint], repo)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from evoharness.lineage import dvc, ensure_remote, git
+from evoharness.ops.vcs import dvc, git
+from evoharness.ops.remote import ensure_remote
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,7 +41,7 @@ def test_the_figures_are_re_derived_from_the_committed_outcomes(tmp_path):
 def test_nucleus_keeps_the_smallest_set_holding_top_p_of_the_mass():
     import torch
 
-    from evoharness.policies.batched import nucleus
+    from evoharness.agent.policies.batched import nucleus
 
     probs = torch.tensor([[0.05, 0.5, 0.3, 0.15], [0.9, 0.04, 0.03, 0.03]], dtype=torch.float64)
     out = nucleus(probs, 0.9)

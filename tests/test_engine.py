@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from evoharness.alfworld.games import list_games
+from evoharness.agent.alfworld.games import list_games
 
 SCRIPT = """
 import json, sys
-from evoharness.alfworld.engine import Engine
+from evoharness.agent.alfworld.engine import Engine
 eng = Engine(speedups={speedups})
 out = []
 for path in sys.argv[1:]:  # the first game comes again last: a reset of a game translated before

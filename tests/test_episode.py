@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from evoharness.alfworld.games import list_games
-from evoharness.collect import collect
-from evoharness.episode import EpisodeConfig, build_prompt, parse_response, run_episode
-from evoharness.evaluate import evaluate
-from evoharness.harness import Experience, HarnessConfig
-from evoharness.policies import PolicySpec, make_policy
-from evoharness.reward import RewardConfig, components, diversity_weight, total
+from evoharness.agent.alfworld.games import list_games
+from evoharness.agent.collect import collect
+from evoharness.agent.episode import EpisodeConfig, build_prompt, parse_response, run_episode
+from evoharness.agent.evaluate import evaluate
+from evoharness.agent.harness import Experience, HarnessConfig
+from evoharness.agent.policies import PolicySpec, make_policy
+from evoharness.agent.reward import RewardConfig, components, diversity_weight, total
 
 
 class Script:
@@ -125,7 +125,7 @@ def test_prompts_identical_between_collection_and_evaluation(games_root, tmp_pat
         ev = [json.loads(x) for x in (tmp_path / f"eval-{d['seed']}" / "episodes.jsonl").read_text().splitlines()][0]
         assert [t["prompt"] for t in ev["turns"]] == [t["prompt"] for t in d["turns"]]
         assert r["played"] == 1
-    assert build_prompt.__module__ == "evoharness.episode"
+    assert build_prompt.__module__ == "evoharness.agent.episode"
 
 
 def test_an_invalid_turn_changes_the_next_prompt(games_root, pool):

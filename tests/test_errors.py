@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from evoharness.alfworld.games import list_games
-from evoharness.config import load_params
-from evoharness.envpool import EnvPool, EnvWorker
-from evoharness.episode import EpisodeConfig
-from evoharness.errors import EnvWorkerError, EvoError, PolicyError
-from evoharness.evaluate import evaluate
-from evoharness.policies import PolicySpec, make_policy, parse_policy
+from evoharness.agent.alfworld.games import list_games
+from evoharness.core.config import load_params
+from evoharness.agent.envpool import EnvPool, EnvWorker
+from evoharness.agent.episode import EpisodeConfig
+from evoharness.core.errors import EnvWorkerError, EvoError, PolicyError
+from evoharness.agent.evaluate import evaluate
+from evoharness.agent.policies import PolicySpec, make_policy, parse_policy
 from hosts import start_chat
 
 CLI = [sys.executable, "-m", "evoharness.cli"]
@@ -57,9 +57,9 @@ def test_worker_crash_mid_batch_loses_no_other_episode(games_root, tmp_path):
     import os
     import signal
 
-    from evoharness.episode import run_episode
-    from evoharness.policies.teacher import TeacherPolicy
-    from evoharness.rollout import JsonlWriter
+    from evoharness.agent.episode import run_episode
+    from evoharness.agent.policies.teacher import TeacherPolicy
+    from evoharness.agent.rollout import JsonlWriter
 
     games = list_games(games_root, "valid_unseen")
     victim = games[1].id
@@ -154,13 +154,13 @@ def test_chat_policy_against_a_local_openai_compatible_server(games_root, tmp_pa
         assert "sk-secret" not in written
         # The same endpoint as a baseline of the baselines stage, its URL holding a password: the spec names no
         # folder, no summary key, no metric (the folder is kind-model-hash).
-        from evoharness.pipeline import baselines
-        from evoharness.policies.spec import policy_label
-        from evoharness.tracking import flatten, numeric
+        from evoharness.agent.baselines import baselines
+        from evoharness.agent.policies.spec import policy_label
+        from evoharness.ops.tracking import flatten, numeric
 
         spec = f"chat:base_url=http://evo:hunter2-pw@127.0.0.1:{srv.server_port}/v1,model=m1,api_key_env=EVO_TEST_KEY,max_new_tokens=32"
         (tmp_path / "p.yaml").write_text(f"workers: 1\nepisode: {{max_steps: 2}}\neval: {{seeds: [0], baselines: ['{spec}', random]}}\n")
-        from evoharness.harness.experience import Experience
+        from evoharness.agent.harness.experience import Experience
 
         Experience.seeded().save(tmp_path / "bank.json")
         res = baselines(str(tmp_path / "p.yaml"), games_root, tmp_path / "bank.json", tmp_path / "bl", echo=lambda _m: None)
@@ -225,8 +225,8 @@ def test_out_of_range_numbers_are_one_line_and_touch_nothing(games_copy, tmp_pat
 def test_files_are_written_whole_and_a_torn_file_is_never_read_as_empty(tmp_path, monkeypatch):
     import os
 
-    from evoharness import atomic
-    from evoharness.training.grpo import _curve_rows
+    from evoharness.core import atomic
+    from evoharness.agent.training.grpo import _curve_rows
     from tasks.tracking import METRICS, read_metrics
 
     f = atomic.write_json(tmp_path / "m" / "results.json", {"success": 0.4})
@@ -262,7 +262,7 @@ def test_a_jobs_lock_entry_is_checked_before_it_is_merged():
 
     import yaml
 
-    from evoharness.stagerun import check_lock_entry
+    from evoharness.ops.dispatch import check_lock_entry
 
     root = Path(__file__).resolve().parents[1]
     good = yaml.safe_load((root / "dvc.lock").read_text())["stages"]["games"]

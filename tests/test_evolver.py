@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from evoharness.episode import bank_digest
-from evoharness.errors import EvoError
-from evoharness.harness.consolidate import MAX_EDITS, consolidate, make_consolidator
-from evoharness.harness.experience import USAGE_VETO, Experience
+from evoharness.agent.episode import bank_digest
+from evoharness.core.errors import EvoError
+from evoharness.agent.harness.consolidate import MAX_EDITS, consolidate, make_consolidator
+from evoharness.agent.harness.experience import USAGE_VETO, Experience
 from hosts import start_consolidator
 
 TRAJ = {"family": "pick_and_place_simple", "outcome": {"won": True, "steps": 9}, "target": {"object": "apple"}, "found_in": "fridge 1",
@@ -85,7 +85,7 @@ def test_consolidator_replies_over_http_are_validated_and_a_bad_one_changes_noth
 
 
 def test_a_consolidator_spec_is_checked_when_params_load(tmp_path):
-    from evoharness.config import load_params
+    from evoharness.core.config import load_params
 
     p = tmp_path / "params.yaml"
     p.write_text("consolidator:\n  endpoint: teacher\n")
@@ -101,12 +101,12 @@ def test_a_consolidator_spec_is_checked_when_params_load(tmp_path):
 _RUN = """
 import json, sys
 from pathlib import Path
-from evoharness.alfworld.games import list_games
-from evoharness.episode import EpisodeConfig
-from evoharness.evaluate import evaluate_evolving
-from evoharness.harness.consolidate import make_consolidator
-from evoharness.harness.experience import Experience
-from evoharness.policies import PolicySpec
+from evoharness.agent.alfworld.games import list_games
+from evoharness.agent.episode import EpisodeConfig
+from evoharness.agent.evaluate import evaluate_evolving
+from evoharness.agent.harness.consolidate import make_consolidator
+from evoharness.agent.harness.experience import Experience
+from evoharness.agent.policies import PolicySpec
 games = list_games(Path(sys.argv[1]), "valid_seen")
 r = evaluate_evolving(games, PolicySpec(kind="teacher"), EpisodeConfig(), [0], Path(sys.argv[2]), Experience.seeded(), 2,
                       make_consolidator(sys.argv[3]), workers=1)

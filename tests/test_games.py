@@ -6,8 +6,8 @@ import json
 import random
 import re
 
-from evoharness.alfworld.families import DEFAULT_UNSEEN_SCENES, FAMILIES
-from evoharness.alfworld.games import list_games
+from evoharness.agent.alfworld.families import DEFAULT_UNSEEN_SCENES, FAMILIES
+from evoharness.agent.alfworld.games import list_games
 
 
 def test_every_family_in_every_split(games_root):
@@ -66,8 +66,8 @@ def test_alfworld_own_loader_lists_our_games(games_root):
 
 
 def test_generation_is_deterministic():
-    from evoharness.alfworld.problem import problem_pddl, sample_problem
-    from evoharness.alfworld.scenes import load_scene
+    from evoharness.agent.alfworld.problem import problem_pddl, sample_problem
+    from evoharness.agent.alfworld.scenes import load_scene
 
     texts = []
     for _ in range(2):
@@ -79,7 +79,7 @@ def test_generation_is_deterministic():
 
 
 def test_missing_receptacles_get_ids_and_points():
-    from evoharness.alfworld.scenes import load_scene
+    from evoharness.agent.alfworld.scenes import load_scene
 
     scene = load_scene(1)  # FloorPlan1's openable file has no GarbageCan, CoffeeMachine, Toaster...
     types = scene.receptacle_types
@@ -99,7 +99,7 @@ def test_official_data_used_when_alfworld_data_is_set(games_root, tmp_path, monk
 
 def test_grpo_games_share_no_problem_with_the_games(games_root, tmp_path):
     """The grpo_games stage's generator: another root's PDDL problems are skipped, never kept."""
-    from evoharness.alfworld.generate import GenConfig, generate, problem_keys
+    from evoharness.agent.alfworld.generate import GenConfig, generate, problem_keys
 
     keys = problem_keys(games_root)
     assert len(keys) == 18  # 6 families x 3 splits, all distinct
@@ -122,8 +122,8 @@ def test_grpo_games_section_and_bad_input(tmp_path):
 
     import pytest
 
-    from evoharness.config import load_params
-    from evoharness.errors import EvoError
+    from evoharness.core.config import load_params
+    from evoharness.core.errors import EvoError
 
     p = tmp_path / "bad.yaml"
     p.write_text("grpo_games: {seed: 3, per_family: {train: 2, valid_seen: 1}}\n")
@@ -150,14 +150,14 @@ def test_a_game_file_that_could_run_code_is_refused_by_content_and_nothing_runs(
 
     import pytest
 
-    from evoharness.errors import EvoError
+    from evoharness.core.errors import EvoError
 
     game = sorted(games_copy.glob("valid_seen/*/*/game.tw-pddl"))[0]
     clean = json.loads(game.read_text())
     assert list_games(games_copy, "valid_seen")  # the generated games are accepted as they are
     marker = tmp_path / "ran"
     payload = PAYLOAD.replace("{marker}", str(marker))
-    from evoharness.alfworld.games import _trusted
+    from evoharness.agent.alfworld.games import _trusted
 
     _, prefix, suffix = _trusted()
     goal = clean["grammar"][len(prefix):len(clean["grammar"]) - len(suffix)]

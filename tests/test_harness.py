@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from evoharness.errors import EvoError
-from evoharness.harness import Belief, Experience, HarnessConfig, Progress, Workspace
-from evoharness.harness.consolidate import consolidate
-from evoharness.harness.experience import MAX_PER_CATEGORY, USAGE_VETO, route
+from evoharness.core.errors import EvoError
+from evoharness.agent.harness import Belief, Experience, HarnessConfig, Progress, Workspace
+from evoharness.agent.harness.consolidate import consolidate
+from evoharness.agent.harness.experience import MAX_PER_CATEGORY, USAGE_VETO, route
 
 INTRO = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a countertop 1, a fridge 1, and a microwave 1."
 

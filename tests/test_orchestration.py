@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoharness.lineage import dvc, git
+from evoharness.ops.vcs import dvc, git
 from project import commit, make_project, MICRO
 
 
@@ -45,7 +45,8 @@ def _line(out: str, prefix: str) -> str:
 
 
 def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefect_server, project):
-    from evoharness import stagerun, tracking
+    from evoharness.ops import tracking
+    from evoharness.core import environment
 
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=project, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -104,7 +105,7 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         sft_ran = "sft_inline" in line.split(";")[0]
         assert children["games"].data.tags["cached"] == "true" and "machine" not in children["games"].data.tags
         # The processor kind, which decides whether CPU training reproduces a hash: the scheduler's, and each stage's that ran.
-        assert p.data.tags["machine"] == stagerun.machine() and children["grpo"].data.tags["machine"] == stagerun.machine()
+        assert p.data.tags["machine"] == environment.machine() and children["grpo"].data.tags["machine"] == environment.machine()
         assert children["sft_inline"].data.tags["cached"] == ("false" if sft_ran else "true"), line
         assert children["sft_inline"].data.tags["dvc.dep.data/pairs"] == next(o["md5"] for o in lock["pairs"]["outs"] if o["path"] == "data/pairs")
         assert "grpo-inline.valid_seen.all.success" in children["evaluate"].data.metrics
@@ -225,7 +226,7 @@ def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from evoharness import tracking
+    from evoharness.ops import tracking
 
     p = yaml.safe_load((project / "params.yaml").read_text())
     p["validate"]["max_tokens"] = 64  # every SFT pair is now too long for the profile: the gate must stop the flow
@@ -251,7 +252,7 @@ def test_bad_data_stops_the_flow_with_a_report_and_is_quarantined(prefect_server
 
 
 def test_a_pool_without_its_deployment_is_one_line(prefect_server):
-    from evoharness.errors import EvoError
+    from evoharness.core.errors import EvoError
     from flows.retrain import check_deployment
 
     with pytest.raises(EvoError, match=r"--pool gpu9: no deployment 'train-stage/train-stage-gpu9' on the Prefect server; .*evoharness deploy"):
@@ -268,7 +269,7 @@ def test_the_library_imports_neither_prefect_nor_the_flows():
 
     mods = [m.name for m in pkgutil.walk_packages(evoharness.__path__, "evoharness.")]
     if importlib.util.find_spec("vllm") is None:  # the vLLM engine's module is for environments with vLLM (tests/test_vllm.py)
-        mods.remove("evoharness.policies.vllm_engine")
+        mods.remove("evoharness.agent.policies.vllm_engine")
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods) + (
         "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('prefect', 'flows', 'tasks'))\nprint(','.join(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])

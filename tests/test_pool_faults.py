@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoharness.lineage import git
+from evoharness.ops.vcs import git
 from hosts import POOL, cli, job_runs, kill_user, start_cli, start_worker, wait_for
 from project import MICRO, _new_repo, commit
 
@@ -116,7 +116,7 @@ def set_fault(f: dict, branch: str = "main", limit: float = 900, **cfg) -> str:
 
 
 def job_processes(user: str) -> list[str]:
-    r = subprocess.run(["pgrep", "-a", "-u", user, "-f", "evoharness.stagejob|fault.py"], capture_output=True, text=True)
+    r = subprocess.run(["pgrep", "-a", "-u", user, "-f", "evoharness.ops.stagejob|fault.py"], capture_output=True, text=True)
     return [ln for ln in r.stdout.splitlines() if ln.strip()]
 
 
@@ -224,7 +224,7 @@ def test_a_stopped_job_on_a_box_whose_clock_is_ahead_is_cancelled_through_its_wo
     try:
         proc = start_cli(repo, faults["home"], log, "run", "--pool", POOL)
         wait_for(lambda: job_processes(w.user), 300, "the stage running", proc, log)
-        job = int(wait_for(lambda: subprocess.run(["pgrep", "-u", w.user, "-f", "evoharness.stagejob"], capture_output=True, text=True).stdout.split(),
+        job = int(wait_for(lambda: subprocess.run(["pgrep", "-u", w.user, "-f", "evoharness.ops.stagejob"], capture_output=True, text=True).stdout.split(),
                            60, "the job's process", proc, log)[0])
         driver = int(Path(f"/proc/{job}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the flow run's process, which sends the heartbeats
         time.sleep(35)  # a heartbeat or two first

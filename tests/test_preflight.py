@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from evoharness import preflight, tracking
-from evoharness.errors import EvoError
-from evoharness.lineage import RECORD_EMAIL, RECORD_NAME, dvc, git, record_identity
-from evoharness.reproduce import record_run
+from evoharness.ops import preflight, tracking
+from evoharness.ops import remote
+from evoharness.core.errors import EvoError
+from evoharness.ops.vcs import RECORD_EMAIL, RECORD_NAME
+from evoharness.ops.vcs import dvc, git, record_identity
+from evoharness.ops.records import record_run
 from project import MICRO, make_project
 
 
@@ -94,24 +96,24 @@ def test_the_origin_must_accept_the_push(tmp_path, git_server):
 
 def test_the_dvc_remote_must_accept_a_write(tmp_path, webdav):
     repo = make_project(tmp_path, MICRO)
-    assert preflight.check_remote_writable(repo) == f"local ({tmp_path / 'remote'})"
+    assert remote.check_remote_writable(repo) == f"local ({tmp_path / 'remote'})"
     assert list((tmp_path / "remote").iterdir()) == []  # the probe file is gone
     (repo / ".dvc" / "config.local").unlink()
     dvc(["remote", "add", "-d", "storage", webdav.collection("preflight")], repo)
     dvc(["remote", "modify", "--local", "storage", "user", webdav.user], repo)
     dvc(["remote", "modify", "--local", "storage", "password", "wrong-password"], repo)
     with pytest.raises(EvoError) as e:
-        preflight.check_remote_writable(repo)
+        remote.check_remote_writable(repo)
     assert str(e.value).startswith(f"DVC remote 'storage' (webdav://127.0.0.1:{webdav.port}/preflight) does not accept a write, read and delete from {repo}")
     assert "wrong-password" not in str(e.value)
     dvc(["remote", "modify", "--local", "storage", "password", webdav.password], repo)
-    assert preflight.check_remote_writable(repo) == f"storage (webdav://127.0.0.1:{webdav.port}/preflight)"
+    assert remote.check_remote_writable(repo) == f"storage (webdav://127.0.0.1:{webdav.port}/preflight)"
     assert list((webdav.root / "preflight").iterdir()) == []
     # A local remote that cannot exist (its parent is a file): one line, even for root.
     (tmp_path / "a-file").write_text("")
     dvc(["remote", "add", "-d", "--local", "broken", str(tmp_path / "a-file" / "remote")], repo)
     with pytest.raises(EvoError, match=r"DVC remote 'broken' \(.*a-file/remote\) does not accept a write"):
-        preflight.check_remote_writable(repo)
+        remote.check_remote_writable(repo)
 
 
 def test_an_s3_remote_is_probed_with_a_write_a_read_and_a_delete(tmp_path, s3):
@@ -120,17 +122,17 @@ def test_an_s3_remote_is_probed_with_a_write_a_read_and_a_delete(tmp_path, s3):
     (repo / ".dvc" / "config.local").unlink()
     url = s3.bucket("preflight")
     s3.configure(repo, url)
-    assert preflight.check_remote_writable(repo) == f"storage ({url})"
+    assert remote.check_remote_writable(repo) == f"storage ({url})"
     assert s3.objects("preflight") == []  # the probe object is gone
     # (moto's server takes any key pair; a refused one is the same error path as these two)
     dvc(["remote", "modify", "storage", "endpointurl", f"http://127.0.0.1:{_closed_port()}"], repo)
     with pytest.raises(EvoError) as e:
-        preflight.check_remote_writable(repo)
+        remote.check_remote_writable(repo)
     assert str(e.value).startswith(f"DVC remote 'storage' ({url}) does not accept a write, read and delete from {repo}") and s3.secret not in str(e.value)
     dvc(["remote", "modify", "storage", "endpointurl", s3.endpoint], repo)
     dvc(["remote", "modify", "storage", "url", "s3://no-such-bucket/dvc"], repo)
     with pytest.raises(EvoError, match=r"^DVC remote 'storage' \(s3://no-such-bucket/dvc\) does not accept a write, read and delete .*"):
-        preflight.check_remote_writable(repo)
+        remote.check_remote_writable(repo)
     # The whole path: outputs pushed to the S3 server and pulled back by hash into a fresh cache.
     dvc(["remote", "modify", "storage", "url", url], repo)
     (repo / "data").mkdir(exist_ok=True)
@@ -200,8 +202,8 @@ def test_records_never_move_and_reproduce_refuses_a_moved_one(tmp_path, git_serv
     reproduce refuses a record tag that names another commit than the MLflow run recorded."""
     import shutil
 
-    from evoharness import tracking
-    from evoharness.reproduce import reproduce
+    from evoharness.ops import tracking
+    from evoharness.ops.reproduce import reproduce
 
     repo = make_project(tmp_path, MICRO)
     git(["remote", "add", "origin", git_server.bare("records")], repo)
@@ -216,7 +218,7 @@ def test_records_never_move_and_reproduce_refuses_a_moved_one(tmp_path, git_serv
         record_run(repo, "run-r", "retrain run-r", echo=lambda _m: None)
     assert git(["ls-remote", "origin", f"refs/tags/{tag}"], repo).split()[0] == rec
     # A fetch of the records never overwrites the local one either; reproduce compares it with what MLflow recorded.
-    from evoharness.reproduce import _fetch_records
+    from evoharness.ops.records import _fetch_records
 
     _fetch_records(repo)
     assert git(["rev-parse", f"refs/tags/{tag}"], repo) == other
@@ -236,8 +238,8 @@ def test_a_params_file_missing_a_key_a_stage_reads_is_one_line_before_any_stage(
 
     import yaml
 
-    from evoharness.errors import EvoError
-    from evoharness.preflight import check_stage_params
+    from evoharness.core.errors import EvoError
+    from evoharness.ops.preflight import check_stage_params
     from project import MICRO, ROOT
 
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")

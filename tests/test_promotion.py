@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from evoharness import promotion, tracking
-from evoharness.errors import EvoError
-from evoharness.promotion import Evidence, Thresholds, decide
-from evoharness.training.checkpoint import weights_digest
+from evoharness.ops import promotion, tracking
+from evoharness.ops import decision
+from evoharness.ops import evidence
+from evoharness.core.errors import EvoError
+from evoharness.ops.evidence import Evidence
+from evoharness.ops.decision import Thresholds, decide
+from evoharness.agent.training.checkpoint import weights_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 T = Thresholds(min_seen=0.3, min_unseen=0.2, tolerance=0.05, max_errored=0.1, alpha=0.05, must_beat=["sft-inline", "random"])
@@ -189,7 +192,7 @@ def test_gate_registers_promotes_and_never_moves_the_champion_on_a_rejection(sto
 def test_a_hand_made_zero_percent_candidate_never_replaces_a_champion(store):
     """The tiny profile's own thresholds: a 0 % model fails them, and the baselines, whatever the champion."""
     c, name, candidate, champion = store
-    _, tiny = promotion.load_promotion(ROOT / "params.yaml", "tiny-cpu")
+    _, tiny = decision.load_promotion(ROOT / "params.yaml", "tiny-cpu")
     assert candidate(1, ev("grpo-inline", 3, 1), t=tiny.model_copy(update={"min_seen": 0.05, "min_unseen": 0.0}),
                      r={"sft-inline": ev("s", 1, 0), "base-inline": ev("b", 0, 0), "random": ev("r", 0, 0)}).promoted  # 5.0 / 1.7
     assert champion() == "1"
@@ -261,11 +264,11 @@ def test_params_promotion_section_is_validated(tmp_path):
     p = tmp_path / "params.yaml"
     p.write_text("promotion:\n  thresholds:\n    tiny-cpu: {min_seen: 1.5, min_unseen: 0}\n")
     with pytest.raises(EvoError, match=r"promotion.thresholds.tiny-cpu.min_seen: .*1.5"):
-        promotion.load_promotion(p, "tiny-cpu")
+        decision.load_promotion(p, "tiny-cpu")
     p.write_text("promotion:\n  thresholds:\n    other: {min_seen: 0.5, min_unseen: 0.4}\n")
     with pytest.raises(EvoError, match="no entry for profile 'tiny-cpu'"):
-        promotion.load_promotion(p, "tiny-cpu")
-    pp, t = promotion.load_promotion(ROOT / "params.yaml", "tiny-cpu")
+        decision.load_promotion(p, "tiny-cpu")
+    pp, t = decision.load_promotion(ROOT / "params.yaml", "tiny-cpu")
     assert pp.model_name and t.tolerance >= 0
 
 
@@ -316,12 +319,12 @@ def test_evidence_mixed_with_another_evaluations_episodes_is_refused(tmp_path):
     (d / "results.json").write_text(json.dumps(res))
     own = [{"game_id": f"valid_seen/g{i}", "seed": 0, "fingerprint": f"new{i}", "outcome": {"won": i == 0}} for i in range(2)]
     (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
-    e = promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+    e = evidence.evidence_from_dirs("m", {"valid_seen": d}, "md5")
     assert e.outcomes["valid_seen"] == {"valid_seen/g0#s0": 1, "valid_seen/g1#s0": 0}
     other = {"game_id": "valid_seen/g1", "seed": 0, "fingerprint": "old1", "outcome": {"won": True}}  # another model's episode
     (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own + [other]))
     with pytest.raises(EvoError, match=r"holds 3 episodes \(2 distinct game and seed pairs\) where .*results.json played 2"):
-        promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+        evidence.evidence_from_dirs("m", {"valid_seen": d}, "md5")
 
 
 def test_a_champion_moved_by_another_retrain_is_never_overwritten_by_a_decision_made_against_the_old_one(store, tmp_path):
@@ -367,7 +370,7 @@ def test_a_summary_that_contradicts_its_episodes_or_a_candidate_without_a_digest
     (d / "results.json").write_text(json.dumps(res))
     (d / "episodes.jsonl").write_text("".join(json.dumps({"game_id": f"valid_seen/g{i}", "seed": 0, "outcome": {"won": i == 0}}) + "\n" for i in range(2)))
     with pytest.raises(EvoError, match=r"results.json says 2 wins of 2 \(success 1.0\) but .*episodes.jsonl holds 1 wins of 2: the evidence contradicts itself"):
-        promotion.evidence_from_dirs("m", {"valid_seen": d}, "md5")
+        evidence.evidence_from_dirs("m", {"valid_seen": d}, "md5")
     c, name, _candidate, _champion = store
     run = c.create_run(tracking.experiment_id(c, tmp_path), run_name="promote-nodigest")
     with pytest.raises(EvoError, match=r"names no model_digest, so nothing binds it to .*model7"):

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from evoharness.errors import EvoError
-from evoharness.lineage import dvc, git
-from evoharness.secrets import redact
+from evoharness.core.errors import EvoError
+from evoharness.ops.vcs import dvc, git
+from evoharness.core.secrets import redact
 from project import commit, make_project, MICRO
 
 SECRET = "s3cr3t-t0ken"
@@ -25,7 +25,7 @@ def test_redact():
 
 def test_git_urls_keep_their_user_and_lose_only_their_secret():
     """The worker must log in as the URL's user (a forge refuses its own), so that user is never stripped."""
-    from evoharness.secrets import public_url
+    from evoharness.core.secrets import public_url
 
     for url in ("ssh://git@git.example.com/evoharness.git", "git@git.example.com:team/evoharness.git", "https://ci@git.example.com/x.git"):
         assert redact(url) == url and public_url(url) == url
@@ -37,7 +37,7 @@ def test_git_urls_keep_their_user_and_lose_only_their_secret():
 def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_server):
     """The origin as teams often write it (a token in the URL): the Prefect parameter sent to the pool
     names the repository without it, and every refusal on the way is a line without it."""
-    from evoharness import stagerun
+    from evoharness.ops import dispatch
 
     repo = make_project(tmp_path, MICRO)
     url = git_server.bare("secret-origin")
@@ -45,16 +45,16 @@ def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_serv
     git(["config", f"url.{url}.insteadOf", fake], repo)  # git reaches the fake host through the daemon
     git(["remote", "add", "origin", fake], repo)
     with pytest.raises(EvoError) as e:
-        stagerun.job_spec(repo, "sft_inline", "--pool h200")  # not pushed yet
+        dispatch.job_spec(repo, "sft_inline", "--pool h200")  # not pushed yet
     assert SECRET not in str(e.value) and "https://evo:***@git.example.com/evoharness.git" in str(e.value)
     git(["push", "-q", "origin", "main"], repo)
     dvc(["remote", "add", "-d", "storage", f"webdav://evo:{SECRET}@127.0.0.1:9/store"], repo)
     commit(repo, "-qam", "remote")
     git(["push", "-q", "origin", "main"], repo)
-    spec = stagerun.job_spec(repo, "sft_inline", "--pool h200")
+    spec = dispatch.job_spec(repo, "sft_inline", "--pool h200")
     assert spec["repo"] == "https://evo@git.example.com/evoharness.git" and SECRET not in json.dumps(spec)
     # The remote itself unreachable: the line names it, not its password.
-    from evoharness.lineage import check_remote
+    from evoharness.ops.vcs import check_remote
 
     (repo / ".dvc" / "config.local").unlink()  # the local default of make_project
     with pytest.raises(EvoError) as e:
@@ -63,8 +63,8 @@ def test_the_job_spec_the_worker_receives_holds_no_credential(tmp_path, git_serv
 
 
 def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store, tmp_path):
-    from evoharness import tracking
-    from evoharness.policies.chat import ChatPolicy
+    from evoharness.ops import tracking
+    from evoharness.agent.policies.chat import ChatPolicy
 
     c = tracking.client(tmp_path)
     run = c.create_run(tracking.experiment_id(c, tmp_path))
@@ -78,8 +78,8 @@ def test_mlflow_params_and_tags_and_fingerprints_hold_no_credential(mlflow_store
 
 
 def test_signed_urls_authorization_headers_and_secret_settings_are_redacted():
-    from evoharness.secrets import redact
-    from evoharness.tracking import _secret
+    from evoharness.core.secrets import redact
+    from evoharness.ops.tracking import _secret
 
     cases = {
         "https://b.s3.amazonaws.com/k?X-Amz-Signature=abc123&X-Amz-Credential=AKIAX%2F2026&X-Amz-Security-Token=tok&part=1":
@@ -99,8 +99,8 @@ def test_a_tracking_servers_password_never_reaches_mlflows_printed_links(monkeyp
     """MLflow prints its tracking URI in "View run ... at" links: the client is given the URI without its
     userinfo (the credentials go to MLFLOW_TRACKING_USERNAME / PASSWORD), and the main job's summary names the
     server's UI without them."""
-    from evoharness import tracking
-    from evoharness.pipeline import print_results
+    from evoharness.ops import tracking
+    from evoharness.ops.report import print_results
 
     monkeypatch.setattr(tracking, "check_tracking", lambda uri: None)  # no server needed to shape the URI
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)

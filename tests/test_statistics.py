@@ -6,8 +6,8 @@ import math
 import pytest
 from scipy.stats import fisher_exact
 
-from evoharness.compare import claims, comparison_table
-from evoharness.evaluate import fisher_greater, wilson
+from evoharness.agent.compare import claims, comparison_table
+from evoharness.agent.evaluate import fisher_greater, wilson
 
 
 @pytest.mark.parametrize("w1,w2", [(31, 11), (23, 3), (34, 31), (0, 0), (60, 0), (5, 40)])
@@ -42,7 +42,7 @@ def test_claims_name_their_test_and_the_table_carries_intervals():
 
 
 def test_ablation_table_names_each_claim_of_the_paper_with_its_test():
-    from evoharness.ablation import CLAIMS, ROWS, ablation_table
+    from evoharness.agent.ablation import CLAIMS, ROWS, ablation_table
 
     seen = {"ReAct-SFT": 11, "frozen harness (always_on)": 14, "SFT-inline": 31, "plain GRPO (success only, env_only)": 13,
             "cost-aware GRPO (EvoHarness-RL)": 34, "cost-aware GRPO without Belief": 4, "cost-aware GRPO without Progress": 1,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoharness.errors import EvoError
+from evoharness.core.errors import EvoError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2, "kv_heads": 1, "max_length": 1024}
@@ -19,14 +19,14 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2, "kv
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, games_root):
     """Demos, pairs, a tiny base and a 2-step SFT model."""
-    from evoharness.alfworld.games import list_games
-    from evoharness.collect import collect
-    from evoharness.data.pairs import build_pairs
-    from evoharness.episode import EpisodeConfig
-    from evoharness.policies import PolicySpec
-    from evoharness.training.profiles import BaseModelSpec, Profile, SFTSpec
-    from evoharness.training.sft import train_sft
-    from evoharness.training.tiny import make_tiny_base
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.collect import collect
+    from evoharness.agent.pairs import build_pairs
+    from evoharness.agent.episode import EpisodeConfig
+    from evoharness.agent.policies import PolicySpec
+    from evoharness.agent.training.profiles import BaseModelSpec, Profile, SFTSpec
+    from evoharness.agent.training.sft import train_sft
+    from evoharness.agent.training.tiny import make_tiny_base
 
     d = tmp_path_factory.mktemp("train")
     collect(list_games(games_root, "train"), PolicySpec(kind="teacher"), EpisodeConfig(), 6, d / "demos", batch_size=6, workers=2, seed=2)
@@ -40,7 +40,7 @@ def trained(tmp_path_factory, games_root):
 def test_tiny_base_is_a_normal_hugging_face_checkpoint(trained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evoharness.episode import parse_response
+    from evoharness.agent.episode import parse_response
 
     base = trained["dir"] / "base"
     tok = AutoTokenizer.from_pretrained(base)
@@ -54,7 +54,7 @@ def test_tiny_base_is_a_normal_hugging_face_checkpoint(trained):
 
 
 def test_micro_sft_trains_on_the_response_only_and_resumes(trained):
-    from evoharness.training.sft import load_rows, to_dataset, train_sft
+    from evoharness.agent.training.sft import load_rows, to_dataset, train_sft
     from transformers import AutoTokenizer
 
     m = trained["sft_metrics"]
@@ -80,7 +80,7 @@ def test_micro_sft_trains_on_the_response_only_and_resumes(trained):
 
 
 def test_env_only_projection_is_the_same_demos_without_the_harness(trained):
-    from evoharness.training.sft import load_rows
+    from evoharness.agent.training.sft import load_rows
 
     inline, _ = load_rows(trained["dir"] / "pairs", "inline")
     env, _ = load_rows(trained["dir"] / "pairs", "env_only")
@@ -91,7 +91,7 @@ def test_env_only_projection_is_the_same_demos_without_the_harness(trained):
 
 
 def test_group_blocks():
-    from evoharness.training.grpo import group_blocks
+    from evoharness.agent.training.grpo_rollouts import group_blocks
 
     assert group_blocks(["a"] * 4 + ["b"] * 4, 4) == ["a", "b"]
     assert group_blocks(["a", "b", "c"], 4) == ["a", "b", "c"]
@@ -99,10 +99,10 @@ def test_group_blocks():
 
 
 def test_micro_grpo_step_with_the_real_trainer(trained, games_root, tmp_path):
-    from evoharness.harness.experience import Experience
-    from evoharness.reward import RewardConfig
-    from evoharness.training.grpo import train_grpo
-    from evoharness.training.profiles import GRPOSpec, Profile
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.reward import RewardConfig
+    from evoharness.agent.training.grpo import train_grpo
+    from evoharness.agent.training.profiles import GRPOSpec, Profile
 
     prof = Profile(name="t", base=trained["profile"].base, sft=trained["profile"].sft,
                    grpo=GRPOSpec(games_per_step=1, rollouts=2, turns_per_rollout=2, steps=1, max_new_tokens=12, max_steps_per_episode=3, learning_rate=1e-3))
@@ -136,12 +136,12 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evoharness.alfworld.games import list_games
-    from evoharness.envpool import EnvPool
-    from evoharness.harness.experience import Experience
-    from evoharness.reward import RewardConfig
-    from evoharness.training.grpo import Rollouts
-    from evoharness.training.profiles import GRPOSpec, Profile
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.envpool import EnvPool
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.reward import RewardConfig
+    from evoharness.agent.training.grpo_rollouts import Rollouts
+    from evoharness.agent.training.profiles import GRPOSpec, Profile
 
     d = trained["dir"]
     prof = Profile(name="t", base=trained["profile"].base, grpo=GRPOSpec(games_per_step=2, rollouts=2, turns_per_rollout=3, max_new_tokens=8, max_steps_per_episode=2))
@@ -175,14 +175,14 @@ def test_rollout_rows_come_in_groups_of_one_game(trained, games_root):
 def test_prompts_and_tokens_identical_across_sft_grpo_and_eval(trained, games_root):
     from transformers import AutoTokenizer
 
-    from evoharness.alfworld.games import list_games
-    from evoharness.chat_format import render
-    from evoharness.envpool import EnvWorker
-    from evoharness.episode import EpisodeConfig, run_episode
-    from evoharness.harness.experience import Experience
-    from evoharness.policies.hf import HFPolicy, Sampler, load
-    from evoharness.training.grpo import RecordingPolicy
-    from evoharness.training.sft import load_rows, to_dataset
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.chat_format import render
+    from evoharness.agent.envpool import EnvWorker
+    from evoharness.agent.episode import EpisodeConfig, run_episode
+    from evoharness.agent.harness.experience import Experience
+    from evoharness.agent.policies.hf import HFPolicy, Sampler, load
+    from evoharness.agent.training.grpo_rollouts import RecordingPolicy
+    from evoharness.agent.training.sft import load_rows, to_dataset
 
     d = trained["dir"]
     demos = [json.loads(x) for x in (d / "demos" / "demos.jsonl").read_text().splitlines()]
@@ -208,7 +208,7 @@ def test_prompts_and_tokens_identical_across_sft_grpo_and_eval(trained, games_ro
 
 
 def test_profiles_validate_and_name_a_wrong_field(tmp_path):
-    from evoharness.training.profiles import load_profile
+    from evoharness.agent.training.profiles import load_profile
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     tiny = load_profile("tiny-cpu", ROOT / "params.yaml")
@@ -233,8 +233,8 @@ def test_profiles_validate_and_name_a_wrong_field(tmp_path):
 
 
 def _demo_prompts(d: Path, n: int):
-    from evoharness.episode import TurnView
-    from evoharness.harness.workspace import META_VERBS
+    from evoharness.agent.episode import TurnView
+    from evoharness.agent.harness.workspace import META_VERBS
 
     demos = [json.loads(x) for x in (d / "demos" / "demos.jsonl").read_text().splitlines()]
     out = []
@@ -270,8 +270,8 @@ def test_shared_head_training_forward_is_the_plain_forward(trained):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evoharness.chat_format import render
-    from evoharness.training import shared_head
+    from evoharness.agent.chat_format import render
+    from evoharness.agent.training import shared_head
 
     d = trained["dir"] / "sft"
     tok = AutoTokenizer.from_pretrained(d)
@@ -336,10 +336,10 @@ def test_constrained_decoding_gives_a_legal_action_even_from_random_weights(trai
     its action is an admissible command or a meta-verb, within the token budget."""
     import threading
 
-    from evoharness.episode import parse_response
-    from evoharness.harness.workspace import META_VERBS
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import load
+    from evoharness.agent.episode import parse_response
+    from evoharness.agent.harness.workspace import META_VERBS
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import load
 
     tok, model, _ = load(str(trained["dir"] / "base"))
     prompts = _demo_prompts(trained["dir"], 6)
@@ -367,8 +367,8 @@ def test_constrained_decoding_gives_a_legal_action_even_from_random_weights(trai
 def test_batched_decoding_matches_one_prompt_at_a_time(trained):
     """Batching changes the speed, not the tokens: greedy and seeded sampling give what ``Sampler``
     gives for each prompt alone (logprobs equal up to float rounding)."""
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import Sampler, load
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import Sampler, load
 
     tok, model, lock = load(str(trained["dir"] / "sft"))
     prompts = _demo_prompts(trained["dir"], 5)
@@ -387,8 +387,8 @@ def test_generation_runs_only_on_the_generators_decoder_thread(trained):
     threads would launch ranks 1-7 on GPU 0). Checked on every forward step, not only on batches."""
     import threading
 
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import load
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import load
 
     tok, model, _ = load(str(trained["dir"] / "sft"))
     prompts = _demo_prompts(trained["dir"], 4)
@@ -421,8 +421,8 @@ def test_fast_decoding_step_is_the_models_own_forward(trained):
     theirs. A model it does not cover is left to transformers."""
     import torch
 
-    from evoharness.policies.fastdecode import Qwen3Step, supports
-    from evoharness.policies.hf import load
+    from evoharness.agent.policies.fastdecode import Qwen3Step, supports
+    from evoharness.agent.policies.hf import load
 
     tok, model, _ = load(str(trained["dir"] / "sft"))
     assert supports(model)
@@ -464,8 +464,8 @@ def test_fast_decoding_step_is_the_models_own_forward(trained):
 def test_fast_batched_decoding_gives_the_tokens_of_transformers_decoding(trained):
     """The decoder's fast path (the prompts' shared head encoded once, steps by ``Qwen3Step``) decodes
     the tokens transformers' own path decodes, greedy and seeded, for prompts of different lengths."""
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import load
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import load
 
     tok, model, _ = load(str(trained["dir"] / "sft"))
     prompts = _demo_prompts(trained["dir"], 6)
@@ -488,8 +488,8 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evoharness.chat_format import render
-    from evoharness.training.tiny import make_tiny_base
+    from evoharness.agent.chat_format import render
+    from evoharness.agent.training.tiny import make_tiny_base
 
     demos = trained["dir"] / "demos" / "demos.jsonl"
     seedonly = make_tiny_base(demos, tmp_path / "seed", TINY, 0)
@@ -519,7 +519,7 @@ def test_tiny_base_pretraining_learns_the_games_text_not_the_replies(trained, tm
 @pytest.fixture(scope="module")
 def bpe_base(trained) -> Path:
     """A tiny base with the Qwen3-like byte-level BPE tokenizer (``<action>`` and ``</action>`` split)."""
-    from evoharness.training.tiny import make_tiny_base
+    from evoharness.agent.training.tiny import make_tiny_base
 
     out = trained["dir"] / "bpe-base"
     make_tiny_base(trained["dir"] / "demos" / "demos.jsonl", out, TINY, 0, tokenizer="byte-bpe")
@@ -530,12 +530,12 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_constrained_token_by_token(tr
     """Qwen3's tokenizer has no ``<action>`` token: the constraint forces the tags' token sequences and
     still leaves only admissible moves, so every sampled reply of a random model parses and acts legally;
     the masks are not all True. A tokenizer that cannot write the tags at all is refused, never sampled free."""
-    from evoharness.episode import parse_response
-    from evoharness.errors import PolicyError
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.constrain import ActionConstraint, tags_as_tokens
-    from evoharness.policies.hf import load
-    from evoharness.training.grpo import constraint_masks
+    from evoharness.agent.episode import parse_response
+    from evoharness.core.errors import PolicyError
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.constrain import ActionConstraint, tags_as_tokens
+    from evoharness.agent.policies.hf import load
+    from evoharness.agent.training.grpo_trainer import constraint_masks
 
     tok, model, _ = load(str(bpe_base))
     assert not tags_as_tokens(tok) and tags_as_tokens(load(str(trained["dir"] / "sft"))[0])
@@ -549,7 +549,7 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_constrained_token_by_token(tr
         assert s.text.endswith("</action>") and "</think>\n<action>" in s.text  # the teacher's separator, written exactly
         masks = constraint_masks(tok, [s.completion_ids], [(view.admissible, view.verbs)], 40, len(s.completion_ids), len(tok))
         assert (~masks).any(), "the constraint left every token allowed"
-    from evoharness.training.tiny import build_tokenizer
+    from evoharness.agent.training.tiny import build_tokenizer
 
     no_tags = build_tokenizer(["go", "to", "desk", "1", "think", "action", "<", ">", "/"])
     with pytest.raises(PolicyError, match=r"cannot write the reply's tags .* exactly; use a tokenizer that can, or decoding: free"):
@@ -564,9 +564,9 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe
     At both rollout temperatures, and with a tokenizer whose tags take several tokens."""
     import torch
 
-    from evoharness.policies.batched import BatchedGenerator
-    from evoharness.policies.hf import load
-    from evoharness.training.grpo import constrained_logps, constraint_masks
+    from evoharness.agent.policies.batched import BatchedGenerator
+    from evoharness.agent.policies.hf import load
+    from evoharness.agent.training.grpo_trainer import constrained_logps, constraint_masks
 
     tok, model, _ = load(str(trained["dir"] / "sft" if which == "sft-word" else bpe_base))
     prompts = _demo_prompts(trained["dir"], 4)
@@ -589,8 +589,8 @@ def test_the_trainer_scores_a_constrained_sample_as_the_sampler_did(trained, bpe
 def test_the_student_as_its_own_consolidator_through_the_same_interface(trained):
     """``consolidator.endpoint: hf:path=...``: the local model answers the consolidation prompt; what a 2-step student
     writes is no edit list, so the bank's entries stay as they were, with one warning line."""
-    from evoharness.harness.consolidate import consolidate, make_consolidator
-    from evoharness.harness.experience import Experience
+    from evoharness.agent.harness.consolidate import consolidate, make_consolidator
+    from evoharness.agent.harness.experience import Experience
 
     ep = make_consolidator(f"hf:path={trained['dir'] / 'sft'}")
     bank = Experience.seeded()

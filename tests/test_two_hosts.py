@@ -18,8 +18,9 @@ import time
 import pytest
 import yaml
 
-from evoharness import stagerun
-from evoharness.lineage import dvc, git
+from evoharness.ops import stagerun
+from evoharness.core import environment
+from evoharness.ops.vcs import dvc, git
 from tasks.stages import _job_result
 from hosts import POOL, cli, job_runs, kill_user, start_chat, start_cli, start_worker, wait_for
 from project import commit, make_shared_project, MICRO
@@ -182,7 +183,7 @@ def test_a_rerun_with_a_live_worker_dispatches_fresh_jobs_beside_a_second_retrai
     parent = c.get_run(rec.group(2))
     kids = {k.data.tags["stage"]: k for k in c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{rec.group(2)}'")}
     assert kids["grpo"].data.tags["where"].startswith(f"pool {POOL} job ")
-    assert kids["grpo"].data.tags["machine"] in {f"gpu-box-{n}: {stagerun.machine()}" for n in (2, 3)} and parent.data.tags["machine"] == stagerun.machine()
+    assert kids["grpo"].data.tags["machine"] in {f"gpu-box-{n}: {environment.machine()}" for n in (2, 3)} and parent.data.tags["machine"] == environment.machine()
     # The gate compared the candidate with its SFT parent split by split (no_regression), on the evaluations it read.
     mv = c.get_model_version_by_alias("evoharness-hosts-tiny-cpu", "champion")
     assert {"check.seen_vs_sft-inline", "check.unseen_vs_sft-inline"} <= set(mv.tags), mv.tags
@@ -314,9 +315,9 @@ def test_reproduce_the_retrain_on_the_worker_host_from_a_fresh_clone(hosts):
     print(f"reproduce on the worker host: {took:.0f} s")
     rows = [ln.split() for ln in out.splitlines() if re.match(r"^\S+ +data/\S+ +[0-9a-f]{32}", ln)]
     assert rows and r.returncode in (0, 2), (out[-3000:], r.stderr[-3000:])
-    from evoharness import stagerun
+    from evoharness.core import environment
 
-    assert f"; on {stagerun.machine()}" in out  # the processor kind it reproduces on, beside the recording run's `machine` tags
+    assert f"; on {environment.machine()}" in out  # the processor kind it reproduces on, beside the recording run's `machine` tags
     verdict = {(x[0], x[1]): " ".join(x[4:]) for x in rows}
     resumed = {s for s in ("sft_inline", "sft_env_only", "grpo")
                if json.loads(git(["show", f"retrain/{run_id}:data/metrics/{s.replace('_', '-', 1) if s.startswith('sft') else s}.json"],

@@ -7,18 +7,18 @@ import math
 
 import pytest
 
-from evoharness.data.pairs import build_pairs
-from evoharness.policies.teacher import DETOUR_THINK
-from evoharness.data.validation import ValidationFailed, gate
+from evoharness.agent.pairs import build_pairs
+from evoharness.agent.policies.teacher import DETOUR_THINK
+from evoharness.ops.validation import ValidationFailed, gate
 
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory, games_root):
     """Real teacher demos (2 per family, noise so that some fail) on the session's games."""
-    from evoharness.alfworld.games import list_games
-    from evoharness.collect import collect
-    from evoharness.episode import EpisodeConfig
-    from evoharness.policies import PolicySpec
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.collect import collect
+    from evoharness.agent.episode import EpisodeConfig
+    from evoharness.agent.policies import PolicySpec
 
     out = tmp_path_factory.mktemp("demos")
     collect(list_games(games_root, "train"), PolicySpec(kind="teacher", noise=0.6), EpisodeConfig(), 12, out, batch_size=6, workers=2, seed=1)
@@ -127,7 +127,7 @@ def test_bad_pairs_are_rejected(demos, tmp_path):
 def test_pairs_split_by_episode_and_few_shot_matches_prompt_builder(demos, tmp_path):
     import pandas as pd
 
-    from evoharness.episode import TurnView, add_examples, build_prompt
+    from evoharness.agent.episode import TurnView, add_examples, build_prompt
 
     s = build_pairs(demos, tmp_path / "p", 0.25, few_shot=1)
     train = pd.read_parquet(tmp_path / "p" / "train.parquet")
@@ -145,14 +145,14 @@ def test_pairs_split_by_episode_and_few_shot_matches_prompt_builder(demos, tmp_p
 def test_react_sft_learns_from_an_env_only_teacher_with_as_many_wins_as_sft_inline(demos, games_root, tmp_path):
     """The fair ReAct baseline's data: the env_only teacher's own demos (its search moves chosen from what it sees),
     cut to the inline demos' number of successful episodes, validated by the same gate, used by SFT as they are."""
-    from evoharness.alfworld.games import list_games
-    from evoharness.collect import collect
-    from evoharness.data.pairs import kept_episodes
-    from evoharness.episode import EpisodeConfig
-    from evoharness.errors import EvoError
-    from evoharness.harness.workspace import HarnessConfig
-    from evoharness.policies import PolicySpec
-    from evoharness.training.sft import load_rows
+    from evoharness.agent.alfworld.games import list_games
+    from evoharness.agent.collect import collect
+    from evoharness.agent.pairs import kept_episodes
+    from evoharness.agent.episode import EpisodeConfig
+    from evoharness.core.errors import EvoError
+    from evoharness.agent.harness.workspace import HarnessConfig
+    from evoharness.agent.policies import PolicySpec
+    from evoharness.agent.training.sft import load_rows
 
     react = tmp_path / "react"
     collect(list_games(games_root, "train"), PolicySpec(kind="teacher", noise=0.3), EpisodeConfig(harness=HarnessConfig(mode="env_only")), 12, react,

@@ -54,7 +54,7 @@ def test_several_models_are_evaluated_in_one_process_under_vllm(twin, tmp_path):
 
 
 def test_the_weight_sync_check_tells_a_synced_engine_from_one_with_other_weights(twin, tmp_path):
-    """GRPO's check after each sync (``grpo.engine_gap``): the engine's log-probs for a fixed probe against the
+    """GRPO's check after each sync (``grpo_trainer.engine_gap``): the engine's log-probs for a fixed probe against the
     policy's. With the policy's weights it is at bf16's noise; after other weights were loaded the way TRL
     syncs (garbage, as after a sleep that dropped them), it is above the tolerance that stops the run."""
     got = _scenario(twin, "weight_sync", tmp_path)

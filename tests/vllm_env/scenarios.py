@@ -27,7 +27,7 @@ def prompt(i: int) -> str:
 def make_base(folder: Path, seed: int = 0) -> Path:
     """A tiny Qwen3 with the byte-level BPE tokenizer (no <action> token, as Qwen3's); head_dim 32 (vLLM's
     CPU attention refuses 16)."""
-    from evoharness.training.tiny import build_bpe_tokenizer, build_model, corpus
+    from evoharness.agent.training.tiny import build_bpe_tokenizer, build_model, corpus
 
     if not (folder / "config.json").exists():
         tok = build_bpe_tokenizer(corpus([prompt(i) + " <think>I need the pencil.</think>\n<action>go to desk 1</action>" for i in range(20)]))
@@ -60,10 +60,10 @@ def logprobs(d: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM
 
-    from evoharness.episode import parse_response
-    from evoharness.policies.batched import VLLMGenerator
-    from evoharness.policies.vllm_engine import ConstraintLogitsProcessor
-    from evoharness.training.grpo import constrained_logps, constraint_masks
+    from evoharness.agent.episode import parse_response
+    from evoharness.agent.policies.batched import VLLMGenerator
+    from evoharness.agent.policies.vllm_engine import ConstraintLogitsProcessor
+    from evoharness.agent.training.grpo_trainer import constrained_logps, constraint_masks
 
     base = make_base(d / "base")
     tok = AutoTokenizer.from_pretrained(base)
@@ -94,7 +94,7 @@ def logprobs(d: Path) -> dict:
 def two_models(d: Path) -> dict:
     """Two checkpoints evaluated one after the other in one process, as ``compare`` does: each engine is shut
     down and dropped before the next is made."""
-    from evoharness.policies import hf
+    from evoharness.agent.policies import hf
 
     a, b = make_base(d / "model-a", 0), make_base(d / "model-b", 1)
     out = {}
@@ -119,16 +119,17 @@ def two_models(d: Path) -> dict:
 
 
 def weight_sync(d: Path) -> dict:
-    """``grpo.engine_gap``, the check GRPO makes after TRL syncs the weights into its engine: an engine holding
+    """``grpo_trainer.engine_gap``, the check GRPO makes after TRL syncs the weights into its engine: an engine holding
     the policy's weights agrees on the probe; the same engine after its weights were changed under it (as
     a stale or emptied engine would be) does not."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM
 
-    from evoharness.chat_format import render
-    from evoharness.policies.vllm_engine import ConstraintLogitsProcessor, reloadable_weights
-    from evoharness.training.grpo import Rollouts, engine_gap
+    from evoharness.agent.chat_format import render
+    from evoharness.agent.policies.vllm_engine import ConstraintLogitsProcessor, reloadable_weights
+    from evoharness.agent.training.grpo_rollouts import Rollouts
+    from evoharness.agent.training.grpo_trainer import engine_gap
 
     base = make_base(d / "base")
     tok = AutoTokenizer.from_pretrained(base)

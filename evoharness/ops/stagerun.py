@@ -1,0 +1,225 @@
+"""DVC stages in this checkout: which are up to date (outputs left on the remote count while absent), run one here,
+its dvc.lock entry, the stages upstream of it, and DVC's run-cache on the remote. Jobs in other checkouts: ``dispatch``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from evoharness.core.environment import machine
+from evoharness.core.errors import EvoError
+from evoharness.core.secrets import redact
+from evoharness.ops.vcs import default_remote, dvc, git, parse_lock, unlock
+
+
+@dataclass
+class StageResult:
+    stage: str
+    ran: bool
+    seconds: float
+    entry: dict = field(default_factory=dict)
+    where: str = "local"
+    files: dict = field(default_factory=dict)  # a job's uncached outputs (metrics, plots), by path
+    machine: str = ""  # the processor kind the stage ran on (``machine()``); empty when it did not run
+
+    def hashes(self) -> dict[str, str]:
+        return {f"{k[:-1]}:{o['path']}": o.get("md5", "") for k in ("deps", "outs") for o in self.entry.get(k, []) or []}
+
+
+def stages(root: Path) -> list[str]:
+    """The pipeline's stages in dvc.yaml order (which is a topological order)."""
+    p = Path(root) / "dvc.yaml"
+    if not p.exists():
+        raise EvoError(f"{p} does not exist: not an EvoHarness project root")
+    return list((yaml.safe_load(p.read_text()) or {}).get("stages", {}))
+
+
+def lock_entry(root: Path, stage: str) -> dict:
+    p = Path(root) / "dvc.lock"
+    if not p.exists():
+        return {}
+    return parse_lock(p.read_text(), p).get(stage, {})
+
+
+def merge_lock_entry(root: Path, stage: str, entry: dict) -> None:
+    p = Path(root) / "dvc.lock"
+    if p.exists():
+        parse_lock(p.read_text(), p)  # a dvc.lock of another shape is refused, never merged into
+    data = yaml.safe_load(p.read_text()) if p.exists() else None
+    data = data or {"schema": "2.0", "stages": {}}
+    data["stages"] = data.get("stages") or {}
+    names = stages(root)
+    data["stages"][stage] = entry
+    data["stages"] = {k: data["stages"][k] for k in sorted(data["stages"], key=lambda s: names.index(s) if s in names else len(names))}
+    tmp = p.with_suffix(".lock.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(p)
+
+
+def clear_stale_locks(root: Path) -> list[int]:
+    """A DVC lock left by a dead process (a killed flow) blocks every later command; its holder
+    is provably gone, so the entries are dropped. Live holders are kept."""
+    return unlock(root)
+
+
+def under(path: str, prefixes) -> bool:
+    return any(path == p.rstrip("/") or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def changes(root: Path, target: str, remote_only=()) -> dict:
+    """``dvc status --json`` of a stage (or a dvc.yaml), less what is left on the remote on purpose: an output or
+    dep under ``remote_only`` that is absent here altogether ("deleted", "not in cache"; a pool retrain never
+    pulls the weights, ``pool.stay_on_remote``). Anything else (a modified file, a file half there) still counts."""
+    out = dvc(["status", target, "--json"], root)
+    try:
+        status = json.loads(out or "{}")
+    except ValueError:
+        return {"?": out}
+    kept = {}
+    for name, items in status.items():
+        left = []
+        for item in items if isinstance(items, list) else [items]:
+            if isinstance(item, dict):
+                item = {kind: {path: state for path, state in (paths or {}).items()
+                               if not (under(path, remote_only) and state in ("deleted", "not in cache") and not (Path(root) / path).exists())}
+                        if isinstance(paths, dict) else paths for kind, paths in item.items()}
+                item = {kind: paths for kind, paths in item.items() if paths}
+                if not item:
+                    continue
+            left.append(item)
+        if left:
+            kept[name] = left
+    return kept
+
+
+def stage_up_to_date(root: Path, stage: str, remote_only=()) -> bool:
+    """DVC finds the stage's deps, params and outputs here as its dvc.lock entry names them (those under
+    ``remote_only`` may be on the remote only)."""
+    if stage not in (parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}):
+        return False
+    return not {k for k in changes(root, stage, remote_only) if k == stage or k.endswith(f":{stage}")}
+
+
+def up_to_date(root: Path, remote_only=()) -> bool:
+    return changes(root, "dvc.yaml", remote_only) == {}  # the main pipeline (ablation/dvc.yaml runs apart)
+
+
+def run_here(root: Path, stage: str) -> StageResult:
+    """``dvc repro --single-item --pull <stage>``: DVC skips it when its deps, params and outs match, and
+    restores it instead of running it when any machine ran it on these inputs before (its run-cache entry and
+    outputs on the remote: ``push_run_cache``), pulling what it needs."""
+    t0 = time.time()
+    out = dvc(["repro", "--single-item", *(["--pull"] if run_cache_supported(root) else []), stage], root)
+    ran = f"Running stage '{stage}'" in out
+    return StageResult(stage, ran, round(time.time() - t0, 2), lock_entry(root, stage), machine=machine() if ran else "")
+
+
+def run_cache_supported(root: Path) -> bool:
+    """DVC keeps no run-cache on a plain HTTP remote (WebDAV, S3, SSH, local folders all do)."""
+    found = default_remote(root)
+    return found is not None and not found[1].startswith(("http://", "https://"))
+
+
+def push_run_cache(root: Path, targets: list[str] | None = None) -> None:
+    """Push the outputs (of ``targets``, default all) and the run-cache: each stage run's entry, so another
+    machine restores the run instead of repeating it (``run_here``). DVC's ``push --run-cache`` leaves out the
+    objects of an entry's ``cache: false`` outputs (the metrics it names), without which a restore fails as
+    "missing cache files": those are sent here, from this cache to the default remote, by DVC's own transfer."""
+    root = Path(root)
+    if not run_cache_supported(root):
+        dvc(["push", *(targets or [])], root)
+        return
+    dvc(["push", "--run-cache", *(targets or [])], root)
+    from dvc.repo import Repo
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.transfer import transfer
+
+    uncached = {p for st in stages(root) for p in uncached_outs(root, st)}
+    with Repo(str(root)) as repo:
+        runs = Path(repo.cache.legacy.path) / "runs"
+        wanted = set()
+        for f in (runs.rglob("*") if runs.is_dir() else []):
+            if not f.is_file():
+                continue
+            try:
+                entry = yaml.safe_load(f.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            for o in entry.get("outs") or []:
+                if isinstance(o, dict) and o.get("path") in uncached and _MD5.fullmatch(str(o.get("md5", ""))):
+                    wanted.add(HashInfo("md5", o["md5"]))
+        have = {h for h in wanted if repo.cache.local.exists(h.value)}
+        try:
+            failed = transfer(repo.cache.local, repo.cloud.get_remote_odb(None, "push"), have).failed if have else set()
+        except Exception as e:  # noqa: BLE001 -- the remote's own error (network, credentials), as one line
+            failed = {f"{type(e).__name__}: {redact(' '.join(str(e).split())[:200])}"}
+        if failed:
+            raise EvoError(f"pushing the run-cache's metrics objects from {root}: {len(failed)} did not reach the remote "
+                           f"({sorted(map(str, failed))[0]})")
+
+
+def producers(root: Path, stage: str) -> list[str]:
+    """Stages whose outputs are this stage's deps, by dvc.yaml."""
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {})
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in spec.get(stage, {}).get("deps", [])]
+    found = []
+    for name, st in spec.items():
+        if name == stage:
+            continue
+        outs = [o if isinstance(o, str) else next(iter(o)) for o in st.get("outs", [])]
+        if any(d == o or d.startswith(o.rstrip("/") + "/") for d in deps for o in outs):
+            found.append(name)
+    return found
+
+
+def upstream(root: Path, stage: str) -> list[str]:
+    """Stages whose outputs are this stage's deps, each of which must have its dvc.lock entry already."""
+    lock = parse_lock((Path(root) / "dvc.lock").read_text(), Path(root) / "dvc.lock") if (Path(root) / "dvc.lock").exists() else {}
+    found = producers(root, stage)
+    for name in found:
+        if name not in lock:
+            raise EvoError(f"stage {stage!r} needs {name!r}, which has no dvc.lock entry yet; run it first")
+    return found
+
+
+def uncached_outs(root: Path, stage: str) -> list[str]:
+    """Outputs DVC does not cache (metrics, plots), so not on the remote: a job sends them along."""
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    found = []
+    for kind in ("outs", "metrics", "plots"):
+        for o in spec.get(kind, []) or []:
+            if isinstance(o, dict):
+                path, opts = next(iter(o.items()))
+                if opts and opts.get("cache") is False:
+                    found.append(path)
+    return found
+
+
+SMALL = 1 << 20
+
+
+def small_files(root: Path, stage: str) -> dict[str, str]:
+    out = {}
+    for path in uncached_outs(root, stage):
+        f = Path(root) / path
+        if f.is_file() and f.stat().st_size <= SMALL:
+            out[path] = f.read_text()
+    return out
+
+
+def dirty_inputs(root: Path, stage: str) -> list[str]:
+    """Uncommitted git-tracked files this stage depends on (code, params.yaml, dvc.yaml)."""
+    spec = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in spec.get("deps", [])]
+    status = git(["status", "--porcelain", "--", "params.yaml", "dvc.yaml", *[d for d in deps if not d.startswith("data/")]], root)
+    return [line[3:] for line in status.splitlines() if line.strip()]
+
+
+_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
+
+
