@@ -30,6 +30,7 @@ def test_a_block_that_drifts_from_its_file_is_caught(tmp_path, monkeypatch):
 
 
 def test_the_committed_results_are_re_derived_from_their_outcomes():
+    import export_ablation
     import export_main_job
     import grpo_seeds
     import sampling_eval
@@ -44,6 +45,10 @@ def test_the_committed_results_are_re_derived_from_their_outcomes():
             assert res == saved, d
             times = json.loads((d / "stage_times.json").read_text())
             assert (d / "results.md").read_text().strip() == export_main_job.table(res, times).strip(), d
+        elif "row" in rows[0]:  # the ablation table's export
+            res = export_ablation.derive(rows)
+            assert res == saved, d
+            assert (d / "results.md").read_text().strip() == export_ablation.table(res).strip(), d
         elif "run" in rows[0]:  # the sampling bench
             outcomes: dict = {}
             for r in rows:
