@@ -9,12 +9,16 @@ valid_unseen games) as the evaluate stage does, and reports per split:
 - over seeds: the mean gain with its 95 % t-interval, mean ± t(0.975, k−1)·sd/√k.
 
 Everything it reads a figure from is written under ``--out``: ``outcomes.jsonl`` (one compact line per
-episode: model, split, game, won), ``results.json`` and ``results.md``. Commit that folder; the games,
-models and episode logs go under ``--out``/work (not committed).
+episode: model, split, game, won), ``results.json`` and ``results.md``, rewritten after every model's evaluation
+over the seeds done so far. Commit that folder; the models and episode logs go under ``--out``/work (not
+committed). A run stopped part-way resumes: what ``outcomes.jsonl`` already holds is not evaluated again.
+``--main-job-model data/models/grpo-inline`` counts the main job's GRPO model as the seed dvc.lock says it was
+trained with (params ``seed``), instead of training that seed again.
 
-    .venv/bin/python bench/grpo_seeds.py --seeds 0,1,2,3,4 --out bench/results/grpo_seeds/main
+    .venv/bin/python bench/grpo_seeds.py --seeds 0,1,2,3,4 --main-job-model data/models/grpo-inline \
+        --out bench/results/grpo_seeds/main
 
-One seed costs GRPO's stage time (about 21 minutes on Zen 4, 8 on an AVX-512 Xeon) plus about 5 minutes of
+One seed costs GRPO's stage time (about 12 minutes for 48 updates on Zen 4) plus about 5 minutes of
 evaluation on 2 cores.
 """
 
@@ -64,8 +68,10 @@ def summarize(outcomes: dict[tuple[str, str], dict[str, int]], seeds: list[int],
                          "only_grpo_won": b, "only_sft_won": c, "mcnemar_p": round(p, 4)})
             gains.append(gain)
         mean, sd, half = t_interval(gains)
+        one = len(gains) < 2  # one seed so far: no spread, no interval
         res["splits"][split] = {"games": len(sft), "sft_success": round(100 * sum(sft.values()) / len(sft), 2), "per_seed": rows,
-                                "mean_gain": round(mean, 2), "sd": round(sd, 2), "ci95": [round(mean - half, 2), round(mean + half, 2)]}
+                                "mean_gain": round(mean, 2), "sd": None if one else round(sd, 2),
+                                "ci95": None if one else [round(mean - half, 2), round(mean + half, 2)]}
     return res
 
 
@@ -76,14 +82,62 @@ def table(res: dict) -> str:
         per = r["per_seed"]
         lines.append(f"| {split} | {r['games']} | {r['sft_success']:.1f} | " + ", ".join(f"{x['success']:.1f}" for x in per)
                      + " | " + ", ".join(f"{x['gain']:+.1f}" for x in per) + " | " + ", ".join(f"{x['mcnemar_p']:.3f}" for x in per)
-                     + f" | **{r['mean_gain']:+.1f}** [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}] |")
+                     + f" | **{r['mean_gain']:+.1f}** " + (f"[{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]" if r["ci95"] else "(one seed)") + " |")
     return "\n".join(lines)
+
+
+def load_outcomes(path: Path) -> dict[tuple[str, str], dict[str, int]]:
+    outcomes: dict[tuple[str, str], dict[str, int]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                outcomes.setdefault((r["model"], r["split"]), {})[r["episode"]] = r["won"]
+    return outcomes
+
+
+def write_results(out: Path, outcomes: dict[tuple[str, str], dict[str, int]], splits: list[str], games_root: Path) -> dict | None:
+    """outcomes.jsonl with every episode so far; results.json and results.md over the seeds evaluated so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"model": m, "split": sp, "episode": eid, "won": won}, separators=(",", ":"))
+             for (m, sp), o in sorted(outcomes.items()) for eid, won in sorted(o.items())]
+    atomic_write(out / "outcomes.jsonl", "\n".join(lines) + "\n")
+    done = sorted(int(m[len("grpo-s"):]) for m in {m for m, _ in outcomes} if m.startswith("grpo-s")
+                  and all((m, sp) in outcomes for sp in splits))
+    if not done or not all(("sft", sp) in outcomes for sp in splits):
+        return None
+    res = summarize(outcomes, done, splits)
+    res["games_root"] = str(games_root)
+    atomic_write(out / "results.json", json.dumps(res, indent=2) + "\n")
+    atomic_write(out / "results.md", table(res) + "\n")
+    return res
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main_job_seed(model: Path) -> int:
+    """The seed the main job trained ``model`` with, read from dvc.lock's grpo stage (fails closed)."""
+    import yaml
+
+    lock = yaml.safe_load(Path(ROOT, "dvc.lock").read_text()) if Path(ROOT, "dvc.lock").is_file() else {}
+    stage = (lock.get("stages") or {}).get("grpo") or {}
+    outs = {o["path"] for o in stage.get("outs") or []}
+    seed = (stage.get("params") or {}).get("params.yaml", {}).get("seed")
+    if str(model).rstrip("/") not in outs or seed is None:
+        raise SystemExit(f"error: --main-job-model {model}: dvc.lock's grpo stage does not name it with a seed")
+    return int(seed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--sft", type=Path, default=Path("data/models/sft-inline"))
+    ap.add_argument("--main-job-model", type=Path, default=None,
+                    help="use the main job's GRPO model (e.g. data/models/grpo-inline) for the seed dvc.lock says it was trained with")
     ap.add_argument("--games", type=Path, default=Path("data/panel"), help="the evaluation panel (a games root with valid splits)")
     ap.add_argument("--splits", default="valid_seen,valid_unseen")
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_seeds/run"))
@@ -102,43 +156,46 @@ def main() -> None:
     work = args.out / "work"
     if not Path(args.sft, "config.json").is_file():
         raise SystemExit(f"error: --sft {args.sft}: no trained model there (run `dvc repro sft_inline`)")
-    models = [("sft", args.sft, Path("data/demos/experience.json"))]
-    for s in seeds:
-        out = work / f"grpo-s{s}"
-        if not (out / "model" / "config.json").is_file():
-            t = time.time()
-            r = subprocess.run([sys.executable, "-m", "evoharness.cli", "grpo", "--games", "data/grpo_games", "--sft", str(args.sft),
-                                "--bank", "data/demos/experience.json", "--out", str(out / "model"), "--curve", str(out / "curve.jsonl"),
-                                "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.json"), "--seed", str(s)],
-                               cwd=ROOT, env=dict(os.environ))
-            if r.returncode != 0:
-                raise SystemExit(f"error: GRPO seed {s} failed (exit {r.returncode})")
-            print(f"grpo seed {s}: trained in {time.time() - t:.0f} s", flush=True)
-        models.append((f"grpo-s{s}", out / "model", out / "model" / "experience.json"))
+    reuse = {main_job_seed(args.main_job_model): args.main_job_model} if args.main_job_model else {}
+    # Resumable: an --out folder's outcomes.jsonl is kept, and a (model, split) already in it is not evaluated again.
+    outcomes = load_outcomes(args.out / "outcomes.jsonl")
     p, prof = load_params("params.yaml"), load_profile("tiny-cpu", "params.yaml")
-    outcomes: dict[tuple[str, str], dict[str, int]] = {}
-    lines = []
-    with EnvPool(prof.episode_workers) as pool:
+    games = {split: list_games(args.games, split) for split in splits}
+
+    def evaluate_model(pool, label: str, path: Path, bank: Path) -> None:
         for split in splits:
-            games = list_games(args.games, split)
-            for label, path, bank in models:
-                t = time.time()
-                cfg, spec = eval_setup(p, prof, path, "inline")
-                b = Experience.load(bank)
-                d = work / "eval" / label / split
-                evaluate(games, spec, cfg, list(p.eval.seeds), d, prof.episode_workers, b, pool=pool)
-                o = outcomes[(label, split)] = this_run(d / "episodes.jsonl", games, list(p.eval.seeds), spec, cfg, b)
-                for eid, won in sorted(o.items()):
-                    lines.append(json.dumps({"model": label, "split": split, "episode": eid, "won": won}, separators=(",", ":")))
-                print(f"{label} {split}: {sum(o.values())}/{len(o)} ({time.time() - t:.0f} s)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "outcomes.jsonl").write_text("\n".join(lines) + "\n")
-    res = summarize(outcomes, seeds, splits)
-    res["games_root"] = str(args.games)
-    (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = table(res)
-    (args.out / "results.md").write_text(md + "\n")
-    print("\n" + md)
+            if (label, split) in outcomes:
+                continue
+            t = time.time()
+            cfg, spec = eval_setup(p, prof, path, "inline")
+            b = Experience.load(bank)
+            d = work / "eval" / label / split
+            evaluate(games[split], spec, cfg, list(p.eval.seeds), d, prof.episode_workers, b, pool=pool)
+            o = outcomes[(label, split)] = this_run(d / "episodes.jsonl", games[split], list(p.eval.seeds), spec, cfg, b)
+            print(f"{label} {split}: {sum(o.values())}/{len(o)} ({time.time() - t:.0f} s)", flush=True)
+            write_results(args.out, outcomes, splits, args.games)
+
+    with EnvPool(prof.episode_workers) as pool:
+        evaluate_model(pool, "sft", args.sft, Path("data/demos/experience.json"))
+        for s in seeds:
+            if all((f"grpo-s{s}", sp) in outcomes for sp in splits):
+                continue
+            out = reuse.get(s)
+            if out is None:
+                out = work / f"grpo-s{s}" / "model"
+                if not (out / "config.json").is_file():
+                    t = time.time()
+                    r = subprocess.run([sys.executable, "-m", "evoharness.cli", "grpo", "--games", "data/grpo_games", "--sft", str(args.sft),
+                                        "--bank", "data/demos/experience.json", "--out", str(out), "--curve", str(out.parent / "curve.jsonl"),
+                                        "--checkpoints", str(out.parent / "checkpoints"), "--metrics", str(out.parent / "metrics.json"),
+                                        "--seed", str(s)], cwd=ROOT, env=dict(os.environ))
+                    if r.returncode != 0:
+                        raise SystemExit(f"error: GRPO seed {s} failed (exit {r.returncode})")
+                    print(f"grpo seed {s}: trained in {time.time() - t:.0f} s", flush=True)
+            evaluate_model(pool, f"grpo-s{s}", out, out / "experience.json")
+    res = write_results(args.out, outcomes, splits, args.games)
+    if res:
+        print("\n" + table(res))
 
 
 def rederive(folder: Path) -> dict:

@@ -38,6 +38,23 @@ def test_the_figures_are_re_derived_from_the_committed_outcomes(tmp_path):
     assert rederive(tmp_path) == res
 
 
+
+def test_a_seed_run_stopped_part_way_keeps_its_outcomes_and_reports_the_seeds_done(tmp_path):
+    from grpo_seeds import load_outcomes, write_results
+
+    games = [f"g{i}#s0" for i in range(10)]
+    outcomes = {("sft", sp): {g: int(i < 4) for i, g in enumerate(games)} for sp in ("valid_seen", "valid_unseen")}
+    assert write_results(tmp_path, outcomes, ["valid_seen", "valid_unseen"], Path("data/panel")) is None  # no GRPO seed yet
+    outcomes[("grpo-s0", "valid_seen")] = {g: int(i < 6) for i, g in enumerate(games)}
+    assert write_results(tmp_path, outcomes, ["valid_seen", "valid_unseen"], Path("data/panel")) is None  # seed 0 half done
+    outcomes[("grpo-s0", "valid_unseen")] = {g: int(i < 5) for i, g in enumerate(games)}
+    res = write_results(tmp_path, outcomes, ["valid_seen", "valid_unseen"], Path("data/panel"))
+    assert res["seeds"] == [0] and res["splits"]["valid_seen"]["mean_gain"] == 20.0
+    assert res["splits"]["valid_seen"]["ci95"] is None and "(one seed)" in (tmp_path / "results.md").read_text()
+    assert load_outcomes(tmp_path / "outcomes.jsonl") == outcomes  # what a resumed run starts from
+    assert rederive(tmp_path) == {k: res[k] for k in ("seeds", "splits")}
+
+
 def test_nucleus_keeps_the_smallest_set_holding_top_p_of_the_mass():
     import torch
 
