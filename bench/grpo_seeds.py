@@ -16,7 +16,7 @@ committed). A run stopped part-way resumes: what ``outcomes.jsonl`` already hold
 trained with (params ``seed``), instead of training that seed again.
 
     .venv/bin/python bench/grpo_seeds.py --seeds 0,1,2,3,4 --main-job-model data/models/grpo-inline \
-        --out bench/results/grpo_seeds/main
+        --out bench/results/grpo_seeds
 
 One seed costs GRPO's stage time (about 12 minutes for 48 updates on Zen 4) plus about 5 minutes of
 evaluation on 2 cores.

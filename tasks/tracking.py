@@ -278,10 +278,11 @@ def promote(root: str, parent_id: str, params_path: str, profile: str, pool_remo
 def finalize(root: str, decision: dict, git_ref: str | None) -> dict:
     """Make the gate's decision final now that the run's git record exists: the version names the
     record, the aliases move, the state becomes complete (``promotion.finalize``)."""
-    from evoharness.ops import decision, promotion
+    from evoharness.ops import promotion
+    from evoharness.ops.decision import Decision
 
-    d = decision.Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
-                           reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")},
-                           champion_version=decision["champion_before"])  # the compare-and-set's "compared with"
+    d = Decision(promoted=decision["decision"] == "promoted", checks=[], reasons=list(decision["reasons"]), version=decision["version"],
+             reused=bool(decision["reused"]), extra={"run_id": decision.get("run_id")},
+             champion_version=decision["champion_before"])  # the compare-and-set's "compared with"
     promotion.finalize(tracking.client(Path(root)), decision["model"], d, git_ref)
     return decision

@@ -165,13 +165,11 @@ def find_record(ref: str, root: Path) -> tuple[str, str]:
             return c, "git ref"
         if attempt == 0:
             _fetch_records(root)  # another machine's retrain: its record is on origin
-    from evoharness.ops.records import run_commit
-
-    run_commit = run_commit(name, root)
-    if run_commit:
-        if not SHA.fullmatch(run_commit):
-            raise EvoError(f"MLflow run {name}: its git_commit tag {run_commit[:60]!r} is not a commit id; nothing is reproduced")
-        return run_commit, f"MLflow run {name} (its git_commit tag: no record of it in git)"
+    commit = run_commit(name, root)
+    if commit:
+        if not SHA.fullmatch(commit):
+            raise EvoError(f"MLflow run {name}: its git_commit tag {commit[:60]!r} is not a commit id; nothing is reproduced")
+        return commit, f"MLflow run {name} (its git_commit tag: no record of it in git)"
     raise EvoError(f"{ref!r} is neither a retrain's MLflow run id (no tag {record_ref(name)} here or on origin), nor a git ref, "
                    "nor an output hash in any recorded dvc.lock")
 
