@@ -40,3 +40,30 @@ def test_intro_banner_is_stripped_but_expert_sees_it(games_root, pool):
     assert "Welcome" not in step.observation and step.observation.startswith("You are in the middle of a room")
     assert step.task.startswith(("put", "look", "examine", "clean", "heat", "cool", "find"))
     assert step.expert_action is not None  # the expert parsed the receptacles from the banner
+
+
+POOL_FLAGS = """
+from evoharness.agent.envpool import EnvPool
+if __name__ == "__main__":
+    with EnvPool(1) as pool:
+        w = pool.workers[0]
+        print(w._call("flags", (), 60, "flags"))
+"""
+
+
+def test_workers_run_with_the_hash_seed_pinned_whatever_the_parents_is():
+    """An episode's course must not depend on the worker's hash seed (it did: one env_only teacher episode in 400
+    went two ways in two runs of the same code). The parent's seed is random here, or another fixed one."""
+    import ast
+    import os
+
+    for parent in (None, "6"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if parent:
+            env["PYTHONHASHSEED"] = parent
+        r = subprocess.run([sys.executable, "-c", POOL_FLAGS], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        flags = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+        assert flags == {"PYTHONHASHSEED": "0", "hash_randomization": 0}, (parent, flags)
+        if parent:  # the parent's own environment is left as it was
+            assert "PYTHONHASHSEED" in env

@@ -9,6 +9,8 @@ reported as errored, never dropped.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -25,12 +27,35 @@ R = TypeVar("R")
 # well under a second instead of about 18 s of imports on 2 cores.
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["evoharness.agent.alfworld.engine", "textworld", "textworld.envs.pddl", "alfworld.agents.environment.alfred_tw_env"])
+_SERVER_LOCK = threading.Lock()
+
+# The engine (TextWorld with ALFWorld's expert) can take a different course under another hash seed of its process:
+# one env_only teacher episode in 400 went two ways in two runs of the same code (PYTHONHASHSEED 4 and 6 give the
+# two). Workers run with the seed pinned: they fork from a server started with PYTHONHASHSEED=0.
+HASH_SEED = "0"
+
+
+def _ensure_server() -> None:
+    """Start the fork server (if it is not running) with the pinned hash seed in its environment."""
+    from multiprocessing import forkserver
+
+    with _SERVER_LOCK:
+        saved = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONHASHSEED"]
+            else:
+                os.environ["PYTHONHASHSEED"] = saved
 
 
 def _worker_main(conn, expert: bool, speedups: bool = True) -> None:
     from evoharness.agent.alfworld.engine import Engine
 
     engine = Engine(expert=expert, speedups=speedups)
+    seed = os.environ.get("PYTHONHASHSEED")  # the fork server's, which this process inherited
     while True:
         try:
             cmd, args = conn.recv()
@@ -39,13 +64,16 @@ def _worker_main(conn, expert: bool, speedups: bool = True) -> None:
         if cmd == "close":
             return
         try:
-            if cmd == "reset":
+            if cmd == "flags":
+                result = {"PYTHONHASHSEED": seed, "hash_randomization": sys.flags.hash_randomization}
+            elif seed != HASH_SEED:  # fail closed: an episode here might not replay the same
+                raise EvoError(f"this environment worker's hash seed is not pinned (PYTHONHASHSEED={seed!r}, not {HASH_SEED}): "
+                               "its episodes would depend on it")
+            elif cmd == "reset":
                 result = engine.reset(*args)
             elif cmd == "step":
                 result = engine.step(*args)
             elif cmd == "crash":  # test hook: simulate the engine dying mid-episode
-                import os
-
                 os._exit(3)
             elif cmd == "hang":  # test hook: simulate a hung engine
                 import time
@@ -73,6 +101,7 @@ class EnvWorker:
         self.game: str | None = None
 
     def _start(self) -> None:
+        _ensure_server()
         parent, child = _CTX.Pipe()
         self.proc = _CTX.Process(target=_worker_main, args=(child, self.expert, self.speedups), daemon=True)
         self.proc.start()
