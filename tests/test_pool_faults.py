@@ -151,7 +151,7 @@ def test_the_job_runs_the_dispatched_commit_and_refuses_a_box_with_another_envir
     repo, w = faults["repo"], faults["worker"]
     git(["checkout", "-q", "-b", "work"], repo)
     marker = "EVOHARNESS-JOB-CODE-OF-THE-WORK-BRANCH"
-    job = repo / "evoharness" / "stagejob.py"
+    job = repo / "evoharness" / "ops" / "stagejob.py"
     anchor = "    spec = json.loads(Path(argv[0]).read_text())"
     assert anchor in job.read_text()
     job.write_text(job.read_text().replace(anchor, f"    print({marker!r}, flush=True)\n{anchor}"))
