@@ -67,3 +67,26 @@ def test_workers_run_with_the_hash_seed_pinned_whatever_the_parents_is():
         assert flags == {"PYTHONHASHSEED": "0", "hash_randomization": 0}, (parent, flags)
         if parent:  # the parent's own environment is left as it was
             assert "PYTHONHASHSEED" in env
+
+
+FOREIGN_SERVER = """
+import multiprocessing as mp
+from evoharness.agent.envpool import EnvPool
+from evoharness.core.errors import EvoError
+if __name__ == "__main__":
+    p = mp.get_context("forkserver").Process(target=print, args=("other code's worker",))  # starts the server unpinned
+    p.start(); p.join()
+    with EnvPool(1) as pool:
+        try:
+            pool.map(lambda w, j: w.reset(j, 0), ["no-game"])
+        except EvoError as e:
+            print("ERROR", e)
+"""
+
+
+def test_a_fork_server_started_by_other_code_stops_the_batch_in_one_line():
+    """Episodes are never played on workers whose hash seed may not be pinned: the batch stops before the first."""
+    r = subprocess.run([sys.executable, "-c", FOREIGN_SERVER], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("ERROR environment workers: this process's fork server") and "PYTHONHASHSEED=0" in last, r.stdout

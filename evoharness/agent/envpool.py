@@ -35,15 +35,25 @@ _SERVER_LOCK = threading.Lock()
 HASH_SEED = "0"
 
 
+_PINNED_PID: int | None = None  # the fork server this module started with the pinned seed
+
+
 def _ensure_server() -> None:
-    """Start the fork server (if it is not running) with the pinned hash seed in its environment."""
+    """Start the fork server (if it is not running) with the pinned hash seed in its environment. One started
+    by other code in this process, without the pin, is one line here (its workers would fail every episode)."""
+    global _PINNED_PID
     from multiprocessing import forkserver
 
     with _SERVER_LOCK:
+        running = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if running is not None and running != _PINNED_PID:
+            raise EvoError(f"environment workers: this process's fork server (pid {running}) was started by other code, "
+                           "without PYTHONHASHSEED=0; episodes would depend on its hash seed")
         saved = os.environ.get("PYTHONHASHSEED")
         os.environ["PYTHONHASHSEED"] = HASH_SEED
         try:
             forkserver.ensure_running()
+            _PINNED_PID = getattr(forkserver._forkserver, "_forkserver_pid", None)
         finally:
             if saved is None:
                 del os.environ["PYTHONHASHSEED"]
@@ -186,6 +196,7 @@ class EnvPool:
         which episodes run side by side never depends on timing. ``around(t)`` wraps thread t's whole
         run (a decoder's lockstep session, ``policies.batched``)."""
         jobs = list(jobs)
+        _ensure_server()  # before any episode: an unpinned server stops the batch in one line
         lock = threading.Lock()
         n = min(len(self.workers), len(jobs))
         results: list = [None] * len(jobs)
