@@ -5,7 +5,7 @@ ablation models' (``data/ablation/eval``), and writes under ``--out``:
 
 - ``outcomes.jsonl``: one compact line per episode (row, split, game, seed, won, free steps, harness calls);
 - ``results.json``: per row and split the wins, success with its 95 % Wilson interval, harness calls and free
-  steps per episode, and the paper's claims with one-sided Fisher tests, all from ``outcomes.jsonl`` alone
+  steps per episode, and the paper's claims with McNemar's exact one-sided test, paired by game (every row plays the same games), all from ``outcomes.jsonl`` alone
   (``derive``);
 - ``results.md``: the table beside the paper's numbers, then the claims.
 
@@ -49,7 +49,7 @@ def outcomes_of(project: Path) -> list[dict]:
 def derive(rows: list[dict]) -> dict:
     """Every figure from the per-episode outcomes alone."""
     from evoharness.agent.ablation import CLAIMS, ROWS
-    from evoharness.agent.evaluate import fisher_greater, wilson
+    from evoharness.agent.evaluate import mcnemar_greater, wilson
 
     by: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
@@ -69,8 +69,9 @@ def derive(rows: list[dict]) -> dict:
         for split in SPLITS:
             if a in res["rows"] and b in res["rows"]:
                 x, y = res["rows"][a][split], res["rows"][b][split]
-                p = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"])
-                res["claims"].append({"claim": what, "a": a, "b": b, "split": split, "wins": [x["wins"], y["wins"]], "p": float(f"{p:.3g}")})
+                only_a, only_b, p = mcnemar_greater(*({f"{e['game']}#s{e['seed']}": e["won"] for e in by[(r, split)]} for r in (a, b)))
+                res["claims"].append({"claim": what, "a": a, "b": b, "split": split, "wins": [x["wins"], y["wins"]],
+                                      "discordant": [only_a, only_b], "p": float(f"{p:.3g}")})
     return res
 
 
@@ -82,9 +83,9 @@ def table(res: dict) -> str:
         ps, pu = r["paper"]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} | {r['valid_seen']['calls']:.1f} | {r['valid_seen']['steps']:.1f} | "
                      f"{'–' if ps is None else ps} / {'–' if pu is None else pu} |")
-    lines += ["", "| claim (one-sided Fisher) | split | wins | p |", "|---|---|---|---|"]
+    lines += ["", "| claim (McNemar, paired, one-sided) | split | wins | won by one only | p |", "|---|---|---|---|---|"]
     for c in res["claims"]:
-        lines.append(f"| {c['a']} above {c['b']}: {c['claim']} | {c['split']} | {c['wins'][0]} vs {c['wins'][1]} | {c['p']:.3g} |")
+        lines.append(f"| {c['a']} above {c['b']}: {c['claim']} | {c['split']} | {c['wins'][0]} vs {c['wins'][1]} | {c['discordant'][0]} vs {c['discordant'][1]} | {c['p']:.3g} |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CLAIMS = (("sft-inline", "sft-env_only", "BPE-SFT above ReAct-SFT (Fisher, one-sided)"),
+CLAIMS = (("sft-inline", "sft-env_only", "BPE-SFT above ReAct-SFT (McNemar, paired, one-sided)"),
           ("grpo-inline", "sft-inline", "GRPO above its SFT model (McNemar, paired, one-sided)"))
 
 
@@ -46,8 +46,7 @@ def outcomes_of(project: Path) -> list[dict]:
 
 def derive(rows: list[dict]) -> dict:
     """Every figure from the per-episode outcomes alone."""
-    from evoharness.agent.evaluate import fisher_greater, wilson
-    from evoharness.ops.evidence import mcnemar_worse
+    from evoharness.agent.evaluate import mcnemar_greater, wilson
 
     by: dict[tuple[str, str], dict[str, int]] = {}
     for r in rows:
@@ -62,10 +61,7 @@ def derive(rows: list[dict]) -> dict:
             if (a, split) not in by or (b, split) not in by:
                 continue
             x, y = by[(a, split)], by[(b, split)]
-            if a == "grpo-inline":
-                only_b, only_a, p = mcnemar_worse(y, x)  # "b worse than a"
-            else:
-                p = fisher_greater(sum(x.values()), len(x), sum(y.values()), len(y))
+            only_a, only_b, p = mcnemar_greater(x, y)  # every model played the same games: paired by game
             res["claims"].append({"claim": what, "a": a, "b": b, "split": split, "p": float(f"{p:.3g}")})
     return res
 
@@ -89,7 +85,9 @@ def table(res: dict, times: dict | None) -> str:
     return "\n".join(lines)
 
 
-def stage_times(project: Path) -> dict:
+def stage_times(project: Path, run_id: str | None = None) -> dict:
+    """The stage times of the retrain that evaluated (``run_id``, or the newest finished retrain whose evaluate stage
+    ran): a later retrain that reused every stage took none of the time the table's figures cost."""
     import os
 
     from mlflow import MlflowClient
@@ -99,8 +97,15 @@ def stage_times(project: Path) -> dict:
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking.tracking_uri(project))
     c = MlflowClient(tracking_uri=tracking.tracking_uri(project))
     exp = c.get_experiment_by_name(tracking.EXPERIMENT)
-    parent = c.search_runs([exp.experiment_id], "tags.kind = 'retrain' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])[0]
-    kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    parents = c.search_runs([exp.experiment_id], "tags.kind = 'retrain' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
+    for parent in parents:
+        if run_id and not parent.info.run_id.startswith(run_id):
+            continue
+        kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        if run_id or any(k.data.tags.get("stage") == "evaluate" and k.data.tags.get("cached") == "false" for k in kids):
+            break
+    else:
+        raise SystemExit(f"error: {project}: no finished retrain {'named ' + run_id if run_id else 'whose evaluate stage ran'} in MLflow")
     stages = {}
     for k in sorted(kids, key=lambda r: r.info.start_time):
         if "stage_seconds" in k.data.metrics:
@@ -113,13 +118,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--project", type=Path, default=Path("."))
     ap.add_argument("--out", type=Path, default=Path("bench/results/main_job"))
+    ap.add_argument("--run", default=None, help="the retrain whose stage times to export (an MLflow run id or its prefix; "
+                    "default: the newest finished retrain whose evaluate stage ran)")
     args = ap.parse_args()
     rows = outcomes_of(args.project)
     if not rows:
         raise SystemExit(f"error: {args.project}: no evaluation episodes under data/eval or data/baselines (run the main job first)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "outcomes.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-    times = stage_times(args.project)
+    times = stage_times(args.project, args.run)
     (args.out / "stage_times.json").write_text(json.dumps(times, indent=2) + "\n")
     res = derive(rows)
     (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -64,7 +64,7 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
     from evoharness.agent.alfworld.games import list_games
     from evoharness.agent.compare import eval_setup, per_family
     from evoharness.agent.envpool import EnvPool
-    from evoharness.agent.evaluate import evaluate
+    from evoharness.agent.evaluate import evaluate, outcomes_of
     from evoharness.agent.harness.experience import Experience
     from evoharness.agent.training.checkpoint import check_checkpoint, resolve_checkpoint
     from evoharness.core.config import load_params
@@ -73,6 +73,7 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
     bank = Experience.load(bank_path)
     out = Path(out)
     results: dict = {}
+    outcomes: dict = {}
     with EnvPool(profile.episode_workers) as pool:
         for row in ROWS:
             if row.main:
@@ -81,6 +82,7 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
                     results[row.label] = {s: v for s, v in json.loads(f.read_text()).items() if s in SPLITS}
                 except (OSError, ValueError):
                     raise EvoError(f"ablation: the main job's evaluation {f} is missing; run the main job first") from None
+                outcomes[row.label] = {s: outcomes_of(Path(main_eval) / row.main / s, results[row.label][s]["all"]["episodes"]) for s in SPLITS}
                 continue
             check_checkpoint(resolve_checkpoint(Path(row.model)), f"ablation: model {row.label}")
             cfg, spec = eval_setup(p, profile, row.model, row.mode, tuple(row.off))
@@ -92,10 +94,11 @@ def ablation(params_path: str, profile, games_root: Path, main_eval: Path, bank_
                 r = evaluate(games, spec, cfg, list(p.eval.seeds), out / _slug(row.label) / split, profile.episode_workers,
                              b if row.mode != "env_only" else None, pool=pool)
                 results[row.label][split] = r["summary"]
+                outcomes.setdefault(row.label, {})[split] = outcomes_of(out / _slug(row.label) / split, r["summary"]["all"]["episodes"])
             echo(f"{row.label}: seen {results[row.label]['valid_seen']['all']['success']:.1%}, unseen {results[row.label]['valid_unseen']['all']['success']:.1%}")
     from evoharness.agent.compare import claims
 
-    table = ablation_table(results) + "\n\n" + claims(results, CLAIMS)
+    table = ablation_table(results) + "\n\n" + claims(results, CLAIMS, outcomes)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
     atomic.write_json(out / "results.json", results, indent=1)

@@ -9,7 +9,7 @@ from typing import Callable
 from evoharness.agent.alfworld.families import FAMILIES
 from evoharness.agent.alfworld.games import list_games
 from evoharness.agent.envpool import EnvPool
-from evoharness.agent.evaluate import evaluate, format_table
+from evoharness.agent.evaluate import evaluate, format_table, outcomes_of
 from evoharness.agent.harness.experience import Experience
 from evoharness.agent.harness.workspace import META_VERBS
 from evoharness.agent.policies import PolicySpec
@@ -83,12 +83,15 @@ def eval_setup(params, profile: Profile, path: Path | str, mode: str, off: tuple
     return cfg, spec
 
 
-def claims(results: dict, which: tuple = CLAIMS) -> str:
-    """Each claim (``a`` beats ``b``) the table supports or not, with its test: one-sided Fisher
-    exact on wins out of episodes, per split; a claim whose models were not both evaluated is left out."""
-    from evoharness.agent.evaluate import fisher_greater
+def claims(results: dict, which: tuple = CLAIMS, outcomes: dict | None = None) -> str:
+    """Each claim (``a`` beats ``b``) the table supports or not, with its one-sided test per split: McNemar's exact
+    test paired by game where both models' per-episode outcomes are given (``outcomes[label][split]``, as
+    ``evaluate.outcomes_of`` reads them: every model plays the same games), else Fisher's exact test on wins out of
+    episodes. A claim whose models were not both evaluated is left out."""
+    from evoharness.agent.evaluate import fisher_greater, mcnemar_greater
 
-    lines = ["| claim | split | wins | p (one-sided Fisher exact) |", "|---|---|---|---|"]
+    outcomes = outcomes or {}
+    lines = ["| claim | split | wins | test (one-sided) | p |", "|---|---|---|---|---|"]
     for a, b, what in which:
         if a not in results or b not in results:
             continue
@@ -96,8 +99,13 @@ def claims(results: dict, which: tuple = CLAIMS) -> str:
             x, y = results[a].get(split, {}).get("all"), results[b].get(split, {}).get("all")
             if not x or not y:
                 continue
-            p = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"])
-            lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {format_p(p)} |")
+            oa, ob = outcomes.get(a, {}).get(split), outcomes.get(b, {}).get(split)
+            if oa and ob:
+                only_a, only_b, p = mcnemar_greater(oa, ob)
+                test = f"McNemar exact, paired by game ({only_a} won by {a} only, {only_b} by {b} only)"
+            else:
+                p, test = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"]), "Fisher exact"
+            lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {test} | {format_p(p)} |")
     return "\n".join(lines)
 
 
@@ -118,6 +126,7 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
     out = Path(out)
     check_machine(profile.model_copy(update={"num_processes": 1}))  # evaluation uses one GPU
     results: dict = {}
+    outcomes: dict = {}
     digests: dict = {}
     with EnvPool(profile.episode_workers) as pool:
         for label, folder, mode in LINEUP:
@@ -146,11 +155,12 @@ def compare(params_path: str, profile: Profile, games_root: Path, models: Path, 
                     else:
                         r = evaluate(games, spec, cfg, list(p.eval.seeds), out / label / split, profile.episode_workers, b, pool=pool)
                     results[label][split] = r["summary"]
+                    outcomes.setdefault(label, {})[split] = outcomes_of(out / label / split, r["summary"]["all"]["episodes"])
                     echo(format_table(f"{label} {split}", r["summary"]))
             finally:  # the next model's engine needs the memory this one holds
                 release(str(path))
             atomic.write_json(out / label / "results.json", {**results[label], "model_digest": digests[label], **banks}, indent=2)
-    table = comparison_table(results) + "\n\n" + claims(results)
+    table = comparison_table(results) + "\n\n" + claims(results, CLAIMS, outcomes)
     (out / "comparison.md").write_text(table + "\n")
     echo(table)
     return {label: {split: {"success": s["all"]["success"], **{f: s[f]["success"] for f in FAMILIES.values() if f in s}} for split, s in sp.items()} for label, sp in results.items()}

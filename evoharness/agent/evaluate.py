@@ -19,6 +19,7 @@ from evoharness.agent.harness.workspace import META_VERBS
 from evoharness.agent.policies import PolicySpec, make_policy
 from evoharness.agent.rollout import JsonlWriter, read_jsonl, run_batch
 from evoharness.core import atomic
+from evoharness.core.errors import EvoError
 
 
 def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -38,6 +39,26 @@ def fisher_greater(w1: int, n1: int, w2: int, n2: int) -> float:
     def hyper(x: int) -> float:
         return math.comb(m, x) * math.comb(n - m, k - x) / math.comb(n, k)
     return min(1.0, sum(hyper(x) for x in range(w1, min(k, m) + 1)))
+
+
+def mcnemar_greater(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float]:
+    """Paired by game (the keys both played): ``only_a`` games a won and b lost, ``only_b`` the reverse, and McNemar's
+    exact one-sided p-value that a is better than b, P(X >= only_a) with X ~ Binomial(only_a + only_b, 1/2)."""
+    keys = a.keys() & b.keys()
+    only_a = sum(1 for k in keys if a[k] and not b[k])
+    only_b = sum(1 for k in keys if b[k] and not a[k])
+    n = only_a + only_b
+    p = sum(math.comb(n, i) for i in range(only_a, n + 1)) / 2**n if n else 1.0
+    return only_a, only_b, p
+
+
+def outcomes_of(out_dir: Path, episodes: int) -> dict[str, int]:
+    """An evaluation folder's per-episode outcomes, ``game_id#s<seed>`` -> won (an errored episode lost): its first
+    ``episodes`` records, which are the evaluation's own (records of other runs are kept after them)."""
+    recs = read_jsonl(Path(out_dir) / "episodes.jsonl")[0][:episodes]
+    if len(recs) != episodes:
+        raise EvoError(f"{out_dir}/episodes.jsonl holds {len(recs)} episodes, its results {episodes}")
+    return {f"{r['game_id']}#s{r['seed']}": int(bool((r.get("outcome") or {}).get("won")) and not r.get("error")) for r in recs}
 
 
 def summarize(records: list[dict]) -> dict:

@@ -130,12 +130,9 @@ def conditions_hash(c: dict) -> str:
 def mcnemar_worse(cand: dict[str, int], champ: dict[str, int]) -> tuple[int, int, float]:
     """On the games both played: b = champion won and candidate lost, c = the reverse; the exact
     one-sided p-value that the candidate is worse, P(X >= b) with X ~ Binomial(b + c, 1/2)."""
-    keys = cand.keys() & champ.keys()
-    b = sum(1 for k in keys if champ[k] and not cand[k])
-    c = sum(1 for k in keys if cand[k] and not champ[k])
-    n = b + c
-    p = sum(math.comb(n, i) for i in range(b, n + 1)) / 2**n if n else 1.0
-    return b, c, p
+    from evoharness.agent.evaluate import mcnemar_greater
+
+    return mcnemar_greater(champ, cand)
 
 
 def paired_wins(cand: Evidence, ref: Evidence) -> tuple[int, int, int]:
