@@ -18,6 +18,13 @@ trained with (params ``seed``), instead of training that seed again.
     .venv/bin/python bench/grpo_seeds.py --seeds 0,1,2,3,4 --main-job-model data/models/grpo-inline \
         --out bench/results/grpo_seeds
 
+Choosing a recipe happens on the dev panel (``--games data/games``: the valid splits of the demos' games, 60 + 60,
+disjoint from the evaluation panel), with the recipe's changes given as ``--set`` and at least 3 seeds, beside the
+current recipe's models on the same panel (``--reuse``):
+
+    .venv/bin/python bench/grpo_seeds.py --games data/games --seeds 0,1,2 --set '{"learning_rate": 0.0002}' \
+        --out bench/results/grpo_tune_lr2e-4
+
 One seed costs GRPO's stage time (about 12 minutes for 48 updates on Zen 4) plus about 5 minutes of
 evaluation on 2 cores.
 """
@@ -96,7 +103,8 @@ def load_outcomes(path: Path) -> dict[tuple[str, str], dict[str, int]]:
     return outcomes
 
 
-def write_results(out: Path, outcomes: dict[tuple[str, str], dict[str, int]], splits: list[str], games_root: Path) -> dict | None:
+def write_results(out: Path, outcomes: dict[tuple[str, str], dict[str, int]], splits: list[str], games_root: Path,
+                  overrides: dict | None = None) -> dict | None:
     """outcomes.jsonl with every episode so far; results.json and results.md over the seeds evaluated so far."""
     out.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"model": m, "split": sp, "episode": eid, "won": won}, separators=(",", ":"))
@@ -108,6 +116,7 @@ def write_results(out: Path, outcomes: dict[tuple[str, str], dict[str, int]], sp
         return None
     res = summarize(outcomes, done, splits)
     res["games_root"] = str(games_root)
+    res["grpo_overrides"] = overrides or {}  # the recipe: params.yaml's tiny-cpu grpo with these keys changed
     atomic_write(out / "results.json", json.dumps(res, indent=2) + "\n")
     atomic_write(out / "results.md", table(res) + "\n")
     return res
@@ -117,6 +126,28 @@ def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def recipe_params(overrides: str, work: Path) -> Path | None:
+    """params.yaml with the tiny-cpu profile's grpo keys overridden (None: no override, GRPO reads params.yaml); an
+    unknown key or a value the profile refuses stops the bench before anything trains."""
+    import yaml
+
+    from evoharness.agent.training.profiles import load_profile
+
+    over = json.loads(overrides)
+    if not over:
+        return None
+    p = yaml.safe_load(Path(ROOT, "params.yaml").read_text())
+    unknown = sorted(set(over) - set(p["profiles"]["tiny-cpu"]["grpo"]))
+    if unknown:
+        raise SystemExit(f"error: --set: {unknown} are not grpo keys of the tiny-cpu profile")
+    p["profiles"]["tiny-cpu"]["grpo"].update(over)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "params.yaml"
+    atomic_write(path, yaml.safe_dump(p, sort_keys=False))
+    load_profile("tiny-cpu", str(path))  # validates
+    return path
 
 
 def main_job_seed(model: Path) -> int:
@@ -147,6 +178,10 @@ def main() -> None:
     ap.add_argument("--games", type=Path, default=Path("data/panel"), help="the evaluation panel (a games root with valid splits)")
     ap.add_argument("--splits", default="valid_seen,valid_unseen")
     ap.add_argument("--out", type=Path, default=Path("bench/results/grpo_seeds/run"))
+    ap.add_argument("--set", default="{}", help="the recipe to try: tiny-cpu grpo keys to override, as JSON (e.g. "
+                    "'{\"learning_rate\": 0.0002}'); written to --out/work/params.yaml, which GRPO trains with, and named in results.json")
+    ap.add_argument("--reuse", default="", help="seed=model folder pairs, comma-separated: models of this recipe already "
+                    "trained (e.g. the evaluation-panel run's, to evaluate them on the dev panel)")
     args = ap.parse_args()
     from evoharness.agent.alfworld.games import list_games
     from evoharness.agent.compare import eval_setup
@@ -163,6 +198,8 @@ def main() -> None:
     if not Path(args.sft, "config.json").is_file():
         raise SystemExit(f"error: --sft {args.sft}: no trained model there (run `dvc repro sft_inline`)")
     reuse = {main_job_seed(args.main_job_model): args.main_job_model} if args.main_job_model else {}
+    reuse.update({int(k): Path(v) for k, v in (x.split("=", 1) for x in args.reuse.split(",") if x)})
+    recipe = recipe_params(args.set, work)
     # Resumable: an --out folder's outcomes.jsonl is kept, and a (model, split) already in it is not evaluated again.
     outcomes = load_outcomes(args.out / "outcomes.jsonl")
     p, prof = load_params("params.yaml"), load_profile("tiny-cpu", "params.yaml")
@@ -179,7 +216,7 @@ def main() -> None:
             evaluate(games[split], spec, cfg, list(p.eval.seeds), d, prof.episode_workers, b, pool=pool)
             o = outcomes[(label, split)] = this_run(d / "episodes.jsonl", games[split], list(p.eval.seeds), spec, cfg, b)
             print(f"{label} {split}: {sum(o.values())}/{len(o)} ({time.time() - t:.0f} s)", flush=True)
-            write_results(args.out, outcomes, splits, args.games)
+            write_results(args.out, outcomes, splits, args.games, json.loads(args.set))
 
     with EnvPool(prof.episode_workers) as pool:
         evaluate_model(pool, "sft", args.sft, Path("data/demos/experience.json"))
@@ -194,12 +231,12 @@ def main() -> None:
                     r = subprocess.run([sys.executable, "-m", "evoharness.cli", "grpo", "--games", "data/grpo_games", "--sft", str(args.sft),
                                         "--bank", "data/demos/experience.json", "--out", str(out), "--curve", str(out.parent / "curve.jsonl"),
                                         "--checkpoints", str(out.parent / "checkpoints"), "--metrics", str(out.parent / "metrics.json"),
-                                        "--seed", str(s)], cwd=ROOT, env=dict(os.environ))
+                                        "--seed", str(s), *(["--params", str(recipe)] if recipe else [])], cwd=ROOT, env=dict(os.environ))
                     if r.returncode != 0:
                         raise SystemExit(f"error: GRPO seed {s} failed (exit {r.returncode})")
                     print(f"grpo seed {s}: trained in {time.time() - t:.0f} s", flush=True)
             evaluate_model(pool, f"grpo-s{s}", out, out / "experience.json")
-    res = write_results(args.out, outcomes, splits, args.games)
+    res = write_results(args.out, outcomes, splits, args.games, json.loads(args.set))
     if res:
         print("\n" + table(res))
 
