@@ -161,7 +161,7 @@ def main_job_seed(model: Path) -> int:
     if str(model).rstrip("/") not in outs or seed is None:
         raise SystemExit(f"error: --main-job-model {model}: dvc.lock's grpo stage does not name it with a seed")
     # the folder must still be what dvc.lock recorded (DVC re-hashes it): a model changed since is not that seed
-    r = subprocess.run(["dvc", "status", "--json", "grpo"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", "grpo"], cwd=ROOT, capture_output=True, text=True)
     changed = [] if r.returncode != 0 else [x.get("changed outs") for x in json.loads(r.stdout or "{}").get("grpo", []) if isinstance(x, dict)]
     if r.returncode != 0 or any(changed):
         raise SystemExit(f"error: --main-job-model {model}: its outputs differ from dvc.lock's grpo stage "

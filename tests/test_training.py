@@ -64,6 +64,10 @@ def test_micro_sft_trains_on_the_response_only_and_resumes(trained):
     # a killed run (here: a longer budget) resumes from the last checkpoint instead of starting over
     again = train_sft(d / "pairs", d / "base", d / "sft", trained["profile"], "inline", 0, max_steps=3)
     assert again["resumed_from"] == "checkpoint-2" and again["steps"] == 3
+    # a resumed run's loss is the mean over the whole run's logged losses, not the trainer's figure for the steps after
+    # the checkpoint (0.0 when it resumed at its last one); no step of this 3-step run logged one (logging_steps 5),
+    # so it is unknown
+    assert again["train_loss"] is None
     # loss on the response only: TRL's labels are -100 on the prompt, the response and its EOS are learned
     from trl import SFTConfig, SFTTrainer
     from transformers import AutoModelForCausalLM

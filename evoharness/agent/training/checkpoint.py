@@ -94,6 +94,17 @@ def check_checkpoint(path: Path, what: str = "model") -> Path:
     return path
 
 
+def run_loss(trainer, result, resumed: bool) -> float | None:
+    """The run's mean training loss. A run resumed from a checkpoint trains only the steps after it (none, when
+    the checkpoint was its last), and ``result.training_loss`` covers only those (0.0 for none), so a resumed run
+    reports the mean of every loss logged over the whole run (its trainer state carries the log from before the
+    checkpoint), or None when no step logged one: unknown, never 0. A fresh run reports the trainer's own figure."""
+    if not resumed:
+        return round(float(result.training_loss), 4)
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return round(sum(logged) / len(logged), 4) if logged else None
+
+
 def write_pointer(out: Path, target: Path, spec: str) -> dict:
     """Record a pretrained base: the path as the profile names it and what its files hash to."""
     out = Path(out)

@@ -74,7 +74,7 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
 
     from evoharness.agent.training import distributed as dist
     from evoharness.agent.training import shared_head
-    from evoharness.agent.training.checkpoint import check_checkpoint, load_for_training, weights_digest
+    from evoharness.agent.training.checkpoint import check_checkpoint, load_for_training, run_loss, weights_digest
     from evoharness.agent.training.sft import checkpoint_key, file_digest, keyed_checkpoints, last_checkpoint, save_trained
 
     g = profile.grpo
@@ -188,6 +188,6 @@ def train_grpo(games_root: Path, sft_dir: Path, bank_path: Path | None, out_dir:
         Path(timing).parent.mkdir(parents=True, exist_ok=True)
         Path(timing).write_text(json.dumps({"seconds": round(wall, 1), "episodes_per_min": round(60 * episodes / max(wall, 1e-6), 2)}))
     slim = lambda r: {k: v for k, v in r.items() if k not in ("processes", "bank_digests")} if r else None  # noqa: E731
-    return {"steps": int(result.global_step), "episodes": episodes, "train_loss": round(float(result.training_loss), 4),
+    return {"steps": int(result.global_step), "episodes": episodes, "train_loss": run_loss(trainer, result, resume is not None),
             "rows_per_step": step["rows"], "launch": dist.describe(trainer.accelerator, loaded_partitioned), "lora": g.lora,
             "first": slim(rows[0] if rows else None), "last": slim(rows[-1] if rows else None), "resumed_from": Path(resume).name if resume else None}

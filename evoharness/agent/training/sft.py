@@ -96,7 +96,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
 
     from evoharness.agent.training import distributed as dist
     from evoharness.agent.training import shared_head
-    from evoharness.agent.training.checkpoint import check_checkpoint, load_for_training, resolve_checkpoint, weights_digest
+    from evoharness.agent.training.checkpoint import check_checkpoint, load_for_training, resolve_checkpoint, run_loss, weights_digest
 
     s = profile.sft
     root = Path(root or Path.cwd())
@@ -160,7 +160,7 @@ def train_sft(pairs_dir: Path, base_dir: Path, out_dir: Path, profile: Profile, 
         "train_rows": len(train_df),
         "val_rows": len(val_df),
         "steps": int(result.global_step),
-        "train_loss": round(float(result.training_loss), 4),
+        "train_loss": run_loss(trainer, result, resume is not None),
         "eval_loss": round(float(ev.get("eval_loss", float("nan"))), 4) if ev else None,
         "resumed_from": os.path.basename(resume) if resume else None,
         "epochs": s.epochs,
