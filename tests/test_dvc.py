@@ -314,7 +314,8 @@ def test_reproduce_finds_the_commit_behind_an_mlflow_run(repo, mlflow_template, 
 
 def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_path):
     """A pool retrain's scheduler never pulls the weights (pool.stay_on_remote): an output under such a path that
-    is absent here, and a dep on it, are up to date; the same output half there, or changed, is not."""
+    is absent here, and a dep on it, are up to date while the remote holds it; the same output half there, changed,
+    or lost by the remote, is not, and a remote that is gone stops the check."""
     from evoharness.ops import stagerun
 
     root = tmp_path / "p"
@@ -325,6 +326,10 @@ def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_pa
         "train": {"cmd": "mkdir -p data/models/m && echo w > data/models/m/w.bin && echo c > data/models/m/config.json", "outs": ["data/models/m"]},
         "evaluate": {"cmd": "ls data/models/m > data/eval.txt", "deps": ["data/models/m"], "outs": ["data/eval.txt"]}}}))
     dvc(["repro"], root)
+    store = tmp_path / "store"
+    store.mkdir()
+    dvc(["remote", "add", "-d", "store", str(store)], root)
+    dvc(["push"], root)
     assert stagerun.up_to_date(root) and stagerun.changes(root, "dvc.yaml") == {}
     shutil.rmtree(root / "data" / "models")  # in the cache, not in the workspace: "deleted"
     assert not stagerun.up_to_date(root)  # plain DVC: the outputs are gone
@@ -333,6 +338,22 @@ def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_pa
     shutil.rmtree(root / ".dvc" / "cache")  # as on a scheduler that never held them: "not in cache"
     assert stagerun.stage_up_to_date(root, "train", ["data/models"])
     assert json.dumps(stagerun.changes(root, "dvc.yaml", ["data/models"])) == '{"evaluate": [{"changed outs": {"data/eval.txt": "not in cache"}}]}'
+    # The remote loses the weights, or one file of them: neither here nor there, so the stage is not up to date any
+    # more (DVC's own `status --cloud` reports nothing for the first and "deleted", i.e. there, for the second).
+    md5 = next(o["md5"] for o in parse_lock((root / "dvc.lock").read_text())["train"]["outs"] if o["path"] == "data/models/m")
+    listing = store / "files" / "md5" / md5[:2] / md5[2:]
+    w = next(e["md5"] for e in json.loads(listing.read_text()) if e["relpath"] == "w.bin")
+    for lost, want in ((store / "files" / "md5" / w[:2] / w[2:], "data/models/m/w.bin"), (listing, "data/models/m")):
+        kept = lost.read_bytes()
+        lost.unlink()
+        assert stagerun.changes(root, "train", ["data/models"]) == {"train": [{"not on the remote": {want: "missing"}}]}
+        assert not stagerun.stage_up_to_date(root, "train", ["data/models"]) and not stagerun.up_to_date(root, ["data/models"])
+        lost.write_bytes(kept)
+    assert stagerun.stage_up_to_date(root, "train", ["data/models"])
+    shutil.move(store, tmp_path / "gone")  # a remote that cannot be asked: one line, not "up to date"
+    with pytest.raises(EvoError, match="DVC remote 'store' .* does not exist"):
+        stagerun.stage_up_to_date(root, "train", ["data/models"])
+    shutil.move(tmp_path / "gone", store)
     # Half there, or changed: counted, whatever stay_on_remote says.
     (root / "data" / "models" / "m").mkdir(parents=True)
     (root / "data" / "models" / "m" / "config.json").write_text("c\n")

@@ -14,7 +14,7 @@ import yaml
 from evoharness.core.environment import machine
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import redact
-from evoharness.ops.vcs import default_remote, dvc, git, parse_lock, unlock
+from evoharness.ops.vcs import check_remote, default_remote, dvc, dvc_config, git, parse_lock, unlock
 
 
 @dataclass
@@ -74,27 +74,76 @@ def under(path: str, prefixes) -> bool:
 def changes(root: Path, target: str, remote_only=()) -> dict:
     """``dvc status --json`` of a stage (or a dvc.yaml), less what is left on the remote on purpose: an output or
     dep under ``remote_only`` that is absent here altogether ("deleted", "not in cache"; a pool retrain never
-    pulls the weights, ``pool.stay_on_remote``). Anything else (a modified file, a file half there) still counts."""
+    pulls the weights, ``pool.stay_on_remote``), and only while the remote still holds it: what was left out is
+    looked up on the remote (``_not_on_remote``), and an object of it the remote lost counts again, as
+    ``{"not on the remote": {path: "missing"}}``. A remote that cannot be asked stops with one line (fails closed). Anything else (a modified file, a file half there) still counts."""
     out = dvc(["status", target, "--json"], root)
     try:
         status = json.loads(out or "{}")
     except ValueError:
         return {"?": out}
-    kept = {}
+    kept, left_out = {}, {}
     for name, items in status.items():
         left = []
         for item in items if isinstance(items, list) else [items]:
             if isinstance(item, dict):
-                item = {kind: {path: state for path, state in (paths or {}).items()
-                               if not (under(path, remote_only) and state in ("deleted", "not in cache") and not (Path(root) / path).exists())}
-                        if isinstance(paths, dict) else paths for kind, paths in item.items()}
+                away = {path for paths in item.values() if isinstance(paths, dict) for path, state in paths.items()
+                        if under(path, remote_only) and state in ("deleted", "not in cache") and not (Path(root) / path).exists()}
+                if away:
+                    left_out.setdefault(name, set()).update(away)
+                item = {kind: {path: state for path, state in paths.items() if path not in away} if isinstance(paths, dict) else paths
+                        for kind, paths in item.items()}
                 item = {kind: paths for kind, paths in item.items() if paths}
                 if not item:
                     continue
             left.append(item)
         if left:
             kept[name] = left
+    if left_out:
+        lost = _not_on_remote(root, set().union(*left_out.values()))
+        for name, paths in left_out.items():
+            gone = {f: "missing" for f, owner in lost.items() if owner in paths}
+            if gone:
+                kept.setdefault(name, []).append({"not on the remote": gone})
     return kept
+
+
+def _not_on_remote(root: Path, paths: set[str]) -> dict[str, str]:
+    """Of the outputs ``paths`` (each as dvc.lock records it): every object the default remote does not hold, as
+    ``{path or path/file: owner}``. Asked of the remote itself, object by object (a directory's listing, then each
+    file it names): ``dvc status --cloud`` takes a directory as there while its listing is, and reports nothing
+    for one whose listing is gone. An output dvc.lock does not record, or a remote that cannot be asked, fails
+    closed."""
+    from dvc.fs import get_cloud_fs
+
+    check_remote(root)
+    lock = parse_lock((Path(root) / "dvc.lock").read_text()) if (Path(root) / "dvc.lock").exists() else {}
+    hashes = {o["path"]: o.get("md5") for entry in lock.values() for o in entry.get("outs") or []}
+    name, url = default_remote(root)
+    try:
+        cls, config, base = get_cloud_fs(dvc_config(root), name=name)
+        fs = cls(**config)
+
+        def obj(md5: str) -> str:
+            return fs.join(base, "files", "md5", md5[:2], md5[2:])
+
+        lost = {}
+        for path in sorted(paths):
+            md5 = hashes.get(path)
+            if not md5:
+                lost[path] = path  # left on the remote, but no stage of dvc.lock says what it should hold
+            elif not fs.exists(obj(md5)):
+                lost[path] = path
+            elif md5.endswith(".dir"):
+                for e in json.loads(fs.cat_file(obj(md5))):
+                    if not fs.exists(obj(e["md5"])):
+                        lost[f"{path}/{e['relpath']}"] = path
+    except EvoError:
+        raise
+    except Exception as e:  # any plugin's error: refused credentials, an unreachable host, a listing that is not JSON
+        raise EvoError(f"DVC remote {name!r} ({redact(url)}): cannot tell whether it holds {sorted(paths)} "
+                       f"({type(e).__name__}: {redact(' '.join(str(e).split())[:200])})") from None
+    return lost
 
 
 def stage_up_to_date(root: Path, stage: str, remote_only=()) -> bool:
