@@ -204,11 +204,13 @@ def gate_slot(root: str, params_path: str, profile: str, log=print) -> Iterator[
     name = decision.registered_name(pp, profile)
     limit = GATE_LIMIT_PREFIX + "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in name)
     with get_client(sync_client=True) as c:
-        try:
-            c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
-        except ObjectAlreadyExists:
-            pass
-        held = next((g.active_slots for g in c.read_global_concurrency_limits(limit=200) if g.name == limit), 0)
+        known = {g.name: g for g in c.read_global_concurrency_limits(limit=200)}
+        if limit not in known:  # made on first use (asking first: the server logs a traceback for a limit it already has)
+            try:
+                c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
+            except ObjectAlreadyExists:
+                pass  # another retrain made it a moment ago
+        held = known[limit].active_slots if limit in known else 0
     if held:
         log(f"waiting for the decision slot of {name} ({limit}): another retrain is deciding on it")
     holding = False
