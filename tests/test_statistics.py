@@ -1,19 +1,14 @@
-"""The statistics behind the comparison and ablation tables: Wilson intervals, the one-sided Fisher
-exact test and McNemar's exact paired test (against SciPy's), and the claims table built from them."""
+"""The statistics behind the comparison and ablation tables: Wilson intervals, McNemar's exact paired test (against
+SciPy's binomial test), and the claims table built from them."""
 
 import math
 
 import pytest
-from scipy.stats import binomtest, fisher_exact
+from scipy.stats import binomtest
 
 from evoharness.agent.compare import claims, comparison_table
-from evoharness.agent.evaluate import fisher_greater, mcnemar_greater, wilson
-
-
-@pytest.mark.parametrize("w1,w2", [(31, 11), (23, 3), (34, 31), (0, 0), (60, 0), (5, 40)])
-def test_fisher_greater_is_scipys_one_sided_test(w1, w2):
-    want = fisher_exact([[w1, 60 - w1], [w2, 60 - w2]], alternative="greater")[1]
-    assert math.isclose(fisher_greater(w1, 60, w2, 60), want, rel_tol=1e-9, abs_tol=1e-12)
+from evoharness.agent.evaluate import mcnemar_greater, wilson
+from evoharness.core.errors import EvoError
 
 
 @pytest.mark.parametrize("only_a,only_b,both", [(28, 13, 42), (26, 18, 30), (0, 0, 60), (5, 0, 0), (3, 19, 10)])
@@ -39,22 +34,26 @@ def _split(wins: int, n: int = 60) -> dict:
                     "steps_free": 30.0, "steps_charged": 40.0, "calls": calls, "invalid_rate": 0.0}}
 
 
+def _outcomes(wins: dict[str, dict[str, int]]) -> dict:
+    """Per-episode outcomes on 60 shared games: a model with w wins won the first w (so any two differ on |w1 - w2|)."""
+    return {m: {split: {f"g{i}": int(i < w) for i in range(60)} for split, w in by.items()} for m, by in wins.items()}
+
+
 def test_claims_name_their_test_and_the_table_carries_intervals():
-    results = {"sft-inline": {"valid_seen": _split(31), "valid_unseen": _split(23)},
-               "sft-env_only": {"valid_seen": _split(11), "valid_unseen": _split(3)},
-               "grpo-inline": {"valid_seen": _split(34), "valid_unseen": _split(25)}}
-    text = claims(results)  # no per-episode outcomes: Fisher on the counts, named as such
-    assert "| the harness helps SFT (BPE-SFT above ReAct-SFT): sft-inline > sft-env_only | valid_seen | 31/60 vs 11/60 | Fisher exact | 1.2e-04 |" in text
-    assert "| GRPO improves on its SFT model: grpo-inline > sft-inline | valid_seen | 34/60 vs 31/60 | Fisher exact | 0.3571 |" in text
-    # with the outcomes (every model on the same games), the paired test: 34 vs 31 wins as 3 games won by GRPO only
-    games = [f"g{i}" for i in range(60)]
-    paired = {m: {"valid_seen": {g: int(i < w) for i, g in enumerate(games)}} for m, w in (("grpo-inline", 34), ("sft-inline", 31))}
+    from evoharness.agent.compare import CLAIMS
+
+    wins = {"sft-inline": {"valid_seen": 31, "valid_unseen": 23}, "sft-env_only": {"valid_seen": 11, "valid_unseen": 3},
+            "grpo-inline": {"valid_seen": 34, "valid_unseen": 25}}
+    results = {m: {split: _split(w) for split, w in by.items()} for m, by in wins.items()}
+    text = claims(results, CLAIMS, _outcomes(wins))
     assert ("| GRPO improves on its SFT model: grpo-inline > sft-inline | valid_seen | 34/60 vs 31/60 | McNemar exact, paired by game "
-            "(3 won by grpo-inline only, 0 by sft-inline only) | 0.1250 |") in claims(results, outcomes=paired)
+            "(3 won by grpo-inline only, 0 by sft-inline only) | 0.1250 |") in text
+    assert "| valid_unseen | 23/60 vs 3/60 | McNemar exact, paired by game (20 won by sft-inline only, 0 by sft-env_only only) | 9.5e-07 |" in text  # never 0.0000
     assert "**51.7** [39, 64] | 30.0 / 40.0 |" in comparison_table(results)
-    assert "| valid_unseen | 23/60 vs 3/60 | Fisher exact | 5.7e-06 |" in text  # a small p reads as itself, never as 0.0000
+    with pytest.raises(EvoError, match=r"no per-episode outcomes of \['sft-env_only'\] on valid_seen"):
+        claims(results, CLAIMS, _outcomes({m: by for m, by in wins.items() if m != "sft-env_only"}))  # no test on counts alone
     del results["sft-env_only"]  # a claim whose models were not evaluated is left out, not reported as p = 1
-    assert "sft-env_only" not in claims(results)
+    assert "sft-env_only" not in claims(results, CLAIMS, _outcomes(wins))
 
 
 def test_ablation_table_names_each_claim_of_the_paper_with_its_test():
@@ -64,9 +63,11 @@ def test_ablation_table_names_each_claim_of_the_paper_with_its_test():
             "cost-aware GRPO (EvoHarness-RL)": 34, "cost-aware GRPO without Belief": 4, "cost-aware GRPO without Progress": 1,
             "cost-aware GRPO without Experience": 10}
     assert set(seen) == {r.label for r in ROWS}
-    results = {k: {"valid_seen": _split(w), "valid_unseen": _split(max(0, w - 8))} for k, w in seen.items()}
-    text = claims(results, CLAIMS)
+    wins = {k: {"valid_seen": w, "valid_unseen": max(0, w - 8)} for k, w in seen.items()}
+    results = {k: {split: _split(w) for split, w in by.items()} for k, by in wins.items()}
+    text = claims(results, CLAIMS, _outcomes(wins))
     assert len(CLAIMS) == 7 and text.count("\n") == 1 + 2 * len(CLAIMS)
-    assert "| choosing when to call the harness beats its panels every turn: SFT-inline > frozen harness (always_on) | valid_seen | 31/60 vs 14/60 | Fisher exact | 0.0012 |" in text
-    assert "| Progress helps: cost-aware GRPO (EvoHarness-RL) > cost-aware GRPO without Progress | valid_seen | 34/60 vs 1/60 | Fisher exact | 1.8e-12 |" in text
+    assert ("| choosing when to call the harness beats its panels every turn: SFT-inline > frozen harness (always_on) | valid_seen | 31/60 vs 14/60 | "
+            "McNemar exact, paired by game (17 won by SFT-inline only, 0 by frozen harness (always_on) only) | 7.6e-06 |") in text
+    assert "| Progress helps: cost-aware GRPO (EvoHarness-RL) > cost-aware GRPO without Progress | valid_seen | 34/60 vs 1/60 |" in text
     assert "**" not in ablation_table(results) and "31.0" not in ablation_table(results) and "51.7 [39, 64]" in ablation_table(results)

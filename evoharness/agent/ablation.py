@@ -45,7 +45,7 @@ ROWS = (
 )
 
 
-# What the paper's table claims, each tested on this table's games (one-sided Fisher exact, per split).
+# What the paper's table claims, each tested on this table's games (McNemar exact, one-sided, paired by game, per split).
 CLAIMS = (
     ("SFT-inline", "frozen harness (always_on)", "choosing when to call the harness beats its panels every turn"),
     ("frozen harness (always_on)", "ReAct-SFT", "the frozen harness beats no harness"),

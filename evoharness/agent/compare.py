@@ -83,14 +83,13 @@ def eval_setup(params, profile: Profile, path: Path | str, mode: str, off: tuple
     return cfg, spec
 
 
-def claims(results: dict, which: tuple = CLAIMS, outcomes: dict | None = None) -> str:
-    """Each claim (``a`` beats ``b``) the table supports or not, with its one-sided test per split: McNemar's exact
-    test paired by game where both models' per-episode outcomes are given (``outcomes[label][split]``, as
-    ``evaluate.outcomes_of`` reads them: every model plays the same games), else Fisher's exact test on wins out of
-    episodes. A claim whose models were not both evaluated is left out."""
-    from evoharness.agent.evaluate import fisher_greater, mcnemar_greater
+def claims(results: dict, which: tuple, outcomes: dict) -> str:
+    """Each claim (``a`` beats ``b``) the table supports or not, per split, with McNemar's exact one-sided test paired
+    by game on the per-episode outcomes (``outcomes[label][split]``, as ``evaluate.outcomes_of`` reads them: every
+    model plays the same games). A claim whose models were not both evaluated is left out; an evaluated model
+    without its outcomes is an error (a test on counts alone would lose the pairing)."""
+    from evoharness.agent.evaluate import mcnemar_greater
 
-    outcomes = outcomes or {}
     lines = ["| claim | split | wins | test (one-sided) | p |", "|---|---|---|---|---|"]
     for a, b, what in which:
         if a not in results or b not in results:
@@ -99,12 +98,11 @@ def claims(results: dict, which: tuple = CLAIMS, outcomes: dict | None = None) -
             x, y = results[a].get(split, {}).get("all"), results[b].get(split, {}).get("all")
             if not x or not y:
                 continue
-            oa, ob = outcomes.get(a, {}).get(split), outcomes.get(b, {}).get(split)
-            if oa and ob:
-                only_a, only_b, p = mcnemar_greater(oa, ob)
-                test = f"McNemar exact, paired by game ({only_a} won by {a} only, {only_b} by {b} only)"
-            else:
-                p, test = fisher_greater(x["wins"], x["episodes"], y["wins"], y["episodes"]), "Fisher exact"
+            missing = [m for m in (a, b) if not outcomes.get(m, {}).get(split)]
+            if missing:
+                raise EvoError(f"claims: no per-episode outcomes of {missing} on {split}")
+            only_a, only_b, p = mcnemar_greater(outcomes[a][split], outcomes[b][split])
+            test = f"McNemar exact, paired by game ({only_a} won by {a} only, {only_b} by {b} only)"
             lines.append(f"| {what}: {a} > {b} | {split} | {x['wins']}/{x['episodes']} vs {y['wins']}/{y['episodes']} | {test} | {format_p(p)} |")
     return "\n".join(lines)
 

@@ -33,14 +33,6 @@ def wilson(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (round(max(0.0, mid - half), 4), round(min(1.0, mid + half), 4))
 
 
-def fisher_greater(w1: int, n1: int, w2: int, n2: int) -> float:
-    """One-sided Fisher exact p-value that the first success rate is greater than the second."""
-    k, n, m = w1 + w2, n1 + n2, n1  # wins in all, games in all, games of the first
-    def hyper(x: int) -> float:
-        return math.comb(m, x) * math.comb(n - m, k - x) / math.comb(n, k)
-    return min(1.0, sum(hyper(x) for x in range(w1, min(k, m) + 1)))
-
-
 def mcnemar_greater(a: dict[str, int], b: dict[str, int]) -> tuple[int, int, float]:
     """Paired by game (the keys both played): ``only_a`` games a won and b lost, ``only_b`` the reverse, and McNemar's
     exact one-sided p-value that a is better than b, P(X >= only_a) with X ~ Binomial(only_a + only_b, 1/2)."""
