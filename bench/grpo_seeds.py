@@ -202,7 +202,8 @@ def main() -> None:
     recipe = recipe_params(args.set, work)
     # Resumable: an --out folder's outcomes.jsonl is kept, and a (model, split) already in it is not evaluated again.
     outcomes = load_outcomes(args.out / "outcomes.jsonl")
-    p, prof = load_params("params.yaml"), load_profile("tiny-cpu", "params.yaml")
+    params_file = str(recipe or "params.yaml")  # the recipe's models are evaluated as it decodes (max_new_tokens)
+    p, prof = load_params(params_file), load_profile("tiny-cpu", params_file)
     games = {split: list_games(args.games, split) for split in splits}
 
     def evaluate_model(pool, label: str, path: Path, bank: Path) -> None:

@@ -76,7 +76,8 @@ def changes(root: Path, target: str, remote_only=()) -> dict:
     dep under ``remote_only`` that is absent here altogether ("deleted", "not in cache"; a pool retrain never
     pulls the weights, ``pool.stay_on_remote``), and only while the remote still holds it: what was left out is
     looked up on the remote (``_not_on_remote``), and an object of it the remote lost counts again, as
-    ``{"not on the remote": {path: "missing"}}``. A remote that cannot be asked stops with one line (fails closed). Anything else (a modified file, a file half there) still counts."""
+    ``{"not on the remote": {path: "missing"}}``. A remote that cannot be asked stops with one line (fails closed).
+    Anything else (a modified file, a file half there) still counts."""
     out = dvc(["status", target, "--json"], root)
     try:
         status = json.loads(out or "{}")
