@@ -86,8 +86,9 @@ def table(res: dict, times: dict | None) -> str:
 
 
 def stage_times(project: Path, run_id: str | None = None) -> dict:
-    """The stage times of the retrain that evaluated (``run_id``, or the newest finished retrain whose evaluate stage
-    ran): a later retrain that reused every stage took none of the time the table's figures cost."""
+    """The stage times of a full retrain (``run_id``, or the newest finished retrain that ran every stage, none of its
+    training resumed from a checkpoint): one that reused stages or resumed took none of that time, so its total is not
+    what a retrain costs. Retrains logged before the ``resumed_from`` tag existed cannot show a resume: name those."""
     import os
 
     from mlflow import MlflowClient
@@ -102,10 +103,12 @@ def stage_times(project: Path, run_id: str | None = None) -> dict:
         if run_id and not parent.info.run_id.startswith(run_id):
             continue
         kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-        if run_id or any(k.data.tags.get("stage") == "evaluate" and k.data.tags.get("cached") == "false" for k in kids):
+        staged = [k for k in kids if "stage_seconds" in k.data.metrics]
+        if run_id or (staged and all(k.data.tags.get("cached") == "false" and "resumed_from" not in k.data.tags for k in staged)):
             break
     else:
-        raise SystemExit(f"error: {project}: no finished retrain {'named ' + run_id if run_id else 'whose evaluate stage ran'} in MLflow")
+        raise SystemExit(f"error: {project}: no finished retrain {'named ' + run_id if run_id else 'that ran every stage'} in MLflow "
+                         "(a retrain that reused stages or resumed training from checkpoints took none of that time; name one with --run)")
     stages = {}
     for k in sorted(kids, key=lambda r: r.info.start_time):
         if "stage_seconds" in k.data.metrics:
@@ -119,14 +122,14 @@ def main() -> None:
     ap.add_argument("--project", type=Path, default=Path("."))
     ap.add_argument("--out", type=Path, default=Path("bench/results/main_job"))
     ap.add_argument("--run", default=None, help="the retrain whose stage times to export (an MLflow run id or its prefix; "
-                    "default: the newest finished retrain whose evaluate stage ran)")
+                    "default: the newest finished retrain that ran every stage)")
     args = ap.parse_args()
     rows = outcomes_of(args.project)
     if not rows:
         raise SystemExit(f"error: {args.project}: no evaluation episodes under data/eval or data/baselines (run the main job first)")
+    times = stage_times(args.project, args.run)  # before anything is written: a failed export leaves the folder as it was
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "outcomes.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-    times = stage_times(args.project, args.run)
     (args.out / "stage_times.json").write_text(json.dumps(times, indent=2) + "\n")
     res = derive(rows)
     (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")

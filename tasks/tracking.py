@@ -65,9 +65,11 @@ def log_stage(root: str, parent_id: str, res: stagerun.StageResult) -> str:
     tags = {"mlflow.parentRunId": parent_id, "stage": res.stage, "cached": str(not res.ran).lower(), "where": res.where,
             "git_commit": parent.data.tags.get("git_commit", "none"), **tracking.stage_hash_tags(res.entry),
             **({"machine": res.machine} if res.machine else {})}
+    metrics = read_metrics(Path(root), res.stage)
+    if res.ran and isinstance(metrics, dict) and metrics.get("resumed_from"):  # trained only the steps after a checkpoint
+        tags["resumed_from"] = str(metrics["resumed_from"])
     run = c.create_run(parent.info.experiment_id, run_name=res.stage, tags=tags)
     rid = run.info.run_id
-    metrics = read_metrics(Path(root), res.stage)
     if res.stage == "evaluate":
         results = {}
         evald = Path(root) / "data" / "eval"
