@@ -5,7 +5,6 @@ CPU ``retrain`` schedule came back beside ``retrain-h200``'s and the Monday cron
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import yaml
 
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import public_url, redact
-from evoharness.ops.vcs import git, is_network_url
+from evoharness.ops.vcs import child_env, git, is_network_url
 from flows.common import check_prefect
 
 
@@ -115,7 +114,7 @@ def deploy(root: Path, echo=print) -> list[str]:
     repo_url, deploy_file = public_url(origin), spec_path
     if repo_url.startswith("https://"):
         repo_url, deploy_file = _with_git_token(root, spec, repo_url, echo)
-    env = dict(os.environ, EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=repo_url, PREFECT_API_URL=url)
+    env = child_env(EVOHARNESS_PROJECT_DIR=str(root), EVOHARNESS_REPO_URL=repo_url, PREFECT_API_URL=url)
     prefect = Path(sys.executable).parent / "prefect"
     try:
         r = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(deploy_file)], cwd=root, env=env,

@@ -119,3 +119,29 @@ def test_a_tracking_servers_password_never_reaches_mlflows_printed_links(monkeyp
     print_results(tmp_path, res, None, echo=print)
     out = capsys.readouterr().out
     assert "MLflow run r1: http://mlflow.example.com:5000/#/experiments" in out and SECRET not in out
+
+
+def test_no_process_the_orchestrator_starts_inherits_the_tracking_servers_credentials(monkeypatch, tmp_path):
+    """client_uri puts a tracking server's password into this process's environment (MLflow reads it per request);
+    the DVC stages (and the trainers under them), git and the pool's jobs this process starts never see it."""
+    from evoharness.ops import tracking
+    from evoharness.ops.vcs import TRACKING_CREDENTIALS, child_env
+
+    monkeypatch.setattr(tracking, "check_tracking", lambda uri: None)
+    for k in TRACKING_CREDENTIALS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://evo:{SECRET}@mlflow.example.com/")
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", SECRET + "-token")
+    tracking.client_uri(os.environ["MLFLOW_TRACKING_URI"])
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == SECRET  # this process's own client still authenticates
+    git(["init", "-q"], tmp_path)
+    dvc(["init", "-q"], tmp_path)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  env:\n    cmd: python -c \"import json, os; json.dump(dict(os.environ), open('env.json', 'w'))\"\n"
+                                       "    outs: [env.json]\n")
+    dvc(["repro", "-q"], tmp_path)  # a real DVC stage, run as the flow runs every stage
+    stage_env = json.loads((tmp_path / "env.json").read_text())
+    git_env = git(["-c", "alias.envdump=!env", "envdump"], tmp_path)  # what a git command (and its hooks) sees
+    for seen in (json.dumps(stage_env), git_env, json.dumps(child_env(PYTHONUNBUFFERED="1"))):
+        assert SECRET not in seen and "MLFLOW_TRACKING_PASSWORD" not in seen and "MLFLOW_TRACKING_TOKEN" not in seen
+    assert stage_env["MLFLOW_TRACKING_URI"] == "https://evo@mlflow.example.com/"  # the server's address, without the secret
+    assert "PATH" in stage_env and child_env(PYTHONUNBUFFERED="1")["PYTHONUNBUFFERED"] == "1"

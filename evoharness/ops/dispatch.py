@@ -39,7 +39,7 @@ from evoharness.ops.stagerun import (
     under,
     upstream,
 )
-from evoharness.ops.vcs import check_remote, default_remote, dvc, git
+from evoharness.ops.vcs import check_remote, child_env, default_remote, dvc, git
 
 WORKER_HOME = Path.home() / ".cache" / "evoharness" / "worker"
 
@@ -86,7 +86,7 @@ def git_credentials(token: str | None):
     token's, else the URL's, else ``x-access-token``, as GitHub and GitLab accept); git never prompts."""
     import tempfile
 
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")
+    env = child_env(GIT_TERMINAL_PROMPT="0")
     if not token:
         yield env
         return
@@ -247,7 +247,7 @@ def run_in_checkout(spec: dict, ws: Path, time_limit_s: float, fenced=lambda: No
     with tempfile.TemporaryDirectory(prefix=f"evoharness-job-{stage}-") as d:
         spec_f, result_f = Path(d) / "spec.json", Path(d) / "result.json"
         spec_f.write_text(json.dumps(spec))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = child_env(PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)  # the checkout's code, first on sys.path as the working directory of `-m`
         proc = subprocess.Popen([sys.executable, "-m", "evoharness.ops.stagejob", str(spec_f), str(result_f)], cwd=ws, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -9,7 +9,6 @@ failure is one line naming what and where.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import redact
-from evoharness.ops.vcs import git, is_network_url, record_identity
+from evoharness.ops.vcs import child_env, git, is_network_url, record_identity
 
 PUSH_TIMEOUT_S = 60
 PROBE_MODEL_SUFFIX = "-preflight"
@@ -53,7 +52,7 @@ def check_record(root: Path) -> tuple[str, str]:
         raise EvoError(f"{root} has no git commit yet, and each retrain's record is a commit on top of the code it ran; commit the project first")
     ident_env, who = record_identity(root)
     index = Path(tempfile.mkdtemp(prefix="evoharness-preflight-")) / "index"
-    env = dict(os.environ, GIT_INDEX_FILE=str(index), **ident_env)
+    env = child_env(GIT_INDEX_FILE=str(index), **ident_env)
     ref = f"refs/evoharness-preflight/{uuid.uuid4().hex[:12]}"
     try:
         head = git(["rev-parse", "HEAD"], root)
@@ -78,7 +77,7 @@ def check_origin_push(root: Path, commit: str) -> str | None:
     origin = git(["config", "--get", "remote.origin.url"], root, check=False)
     if not origin or not is_network_url(origin):
         return None
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")  # a missing credential fails here instead of waiting at a prompt
+    env = child_env(GIT_TERMINAL_PROMPT="0")  # a missing credential fails here instead of waiting at a prompt
     try:
         r = subprocess.run(["git", "push", "--dry-run", "--porcelain", "origin", f"{commit}:refs/tags/retrain/preflight-{commit[:12]}"],
                            cwd=root, capture_output=True, text=True, env=env, timeout=PUSH_TIMEOUT_S)

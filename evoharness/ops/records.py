@@ -10,7 +10,6 @@ the DVC remote (the retrain pushed it). The MLflow run names the tag (``git_ref`
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import redact
-from evoharness.ops.vcs import git, is_network_url, lock_outs, parse_lock, record_identity
+from evoharness.ops.vcs import child_env, git, is_network_url, lock_outs, parse_lock, record_identity
 
 RECORD_PREFIX = "retrain/"
 
@@ -42,7 +41,7 @@ def record_run(root: Path, run_id: str, message: str, push: bool = True, echo=pr
         _push_record(root, tag, existing, push, echo)
         return tag, existing
     index = Path(tempfile.mkdtemp(prefix="evoharness-record-")) / "index"
-    env = dict(os.environ, GIT_INDEX_FILE=str(index), **record_identity(root)[0])
+    env = child_env(GIT_INDEX_FILE=str(index), **record_identity(root)[0])
 
     def g(*args: str) -> str:
         r = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True)
@@ -110,7 +109,7 @@ def _push_record(root: Path, tag: str, commit: str, push: bool, echo) -> None:
     if not (push and origin and is_network_url(origin)):
         echo(f"recorded the run as {tag} ({commit[:12]}) in {root} (no network origin to push it to)")
         return
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")
+    env = child_env(GIT_TERMINAL_PROMPT="0")
     for attempt in range(3):
         r = subprocess.run(["git", "push", "-q", "origin", f"refs/tags/{tag}"], cwd=root, capture_output=True, text=True, env=env)
         if r.returncode == 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 from evoharness.core.environment import SETUP_OPTION, environment_file, installed, lock_of
 from evoharness.core.errors import EvoError
 from evoharness.ops.records import RECORD_PREFIX, SHA, find_record, record_ref
-from evoharness.ops.vcs import dvc, git, parse_lock, repo_root
+from evoharness.ops.vcs import child_env, dvc, git, parse_lock, repo_root
 
 # Metrics a stage may report differently on a rerun when its output is not bitwise identical
 # (README, "Reproduce"): success rates and the like agree within this absolute tolerance.
@@ -60,7 +60,7 @@ def _build_env(work: Path, echo, lock: str = "constraints.txt") -> str:
     scratch worktree."""
     option = SETUP_OPTION.get(lock, [])
     echo(f"building the record's environment ({lock}) with its scripts/setup.sh {' '.join(option)} in {work} (minutes)")
-    r = subprocess.run(["bash", "scripts/setup.sh", *option], cwd=work, capture_output=True, text=True)
+    r = subprocess.run(["bash", "scripts/setup.sh", *option], cwd=work, capture_output=True, text=True, env=child_env())
     if r.returncode:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
         raise EvoError(f"cannot build the record's environment (scripts/setup.sh in {work} failed: {tail[0][:300]})")

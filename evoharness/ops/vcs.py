@@ -18,11 +18,26 @@ from pathlib import Path
 import yaml
 
 from evoharness.core.errors import EvoError
-from evoharness.core.secrets import redact
+from evoharness.core.secrets import public_url, redact
+
+
+# The tracking server's credentials. Only the orchestrating process talks to MLflow (tracking.client_uri moves a
+# URI's userinfo into these, which MLflow reads per request), so no process it starts (DVC and the stages' trainers,
+# pool jobs, git, setup scripts) inherits them, and the tracking URI it sees carries no userinfo.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a process this one starts: ours without the tracking server's credentials, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in TRACKING_CREDENTIALS}
+    if env.get("MLFLOW_TRACKING_URI"):
+        env["MLFLOW_TRACKING_URI"] = public_url(env["MLFLOW_TRACKING_URI"])
+    env.update(extra)
+    return env
 
 
 def _env(python: str | None = None) -> dict:
-    env = dict(os.environ)
+    env = child_env()
     env["PATH"] = str(Path(python or sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("GX_ANALYTICS_ENABLED", "false")
     env["DVC_NO_ANALYTICS"] = "1"
@@ -48,7 +63,7 @@ def _last_error(text: str) -> str:
 
 def git(args: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> str:
     try:
-        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=child_env() if env is None else env)
     except FileNotFoundError:
         raise EvoError("git is not installed (not on PATH): the project is a git repository and every retrain is recorded in git; "
                        "install it (`apt-get install git`)") from None
