@@ -26,6 +26,7 @@ from evoharness.core.errors import EvoError
 EXPERIMENT = "evoharness-retrain"
 DB_NAME = "mlflow.db"
 ARTIFACTS = "mlartifacts"
+CHECK_TIMEOUT_S = 30  # the preflight's wait for a tracking server's answer
 # Keys that are never logged, whatever a params file or a metrics JSON holds.
 SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "pwd", "auth", "credential", "signature")
 
@@ -63,7 +64,8 @@ def check_tracking(uri: str) -> None:
         elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
             req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
         try:
-            with urllib.request.urlopen(req, timeout=5) as r:
+            # a busy server's first answer may take seconds (MLflow's own client waits up to 120 s per request)
+            with urllib.request.urlopen(req, timeout=CHECK_TIMEOUT_S) as r:
                 if r.status != 200:
                     raise EvoError(f"MLflow tracking server {shown} answered {r.status} to an API call (MLFLOW_TRACKING_URI)")
         except urllib.error.HTTPError as e:
