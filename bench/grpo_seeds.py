@@ -116,10 +116,29 @@ def write_results(out: Path, outcomes: dict[tuple[str, str], dict[str, int]], sp
         return None
     res = summarize(outcomes, done, splits)
     res["games_root"] = str(games_root)
+    res["machine"] = json.loads((out / "run.json").read_text())["machine"]  # the processor kind every model here was trained on
     res["grpo_overrides"] = overrides or {}  # the recipe: params.yaml's tiny-cpu grpo with these keys changed
     atomic_write(out / "results.json", json.dumps(res, indent=2) + "\n")
     atomic_write(out / "results.md", table(res) + "\n")
     return res
+
+
+def check_machine(out: Path, resuming: bool, overrides: dict) -> str:
+    """The processor kind of this run, recorded in ``--out``/run.json; a folder holding another kind's outcomes (or
+    outcomes of an unrecorded kind) is not resumed here, nor one made for another recipe."""
+    from evoharness.core.environment import machine
+
+    here, f = machine(), out / "run.json"
+    before = json.loads(f.read_text()) if f.is_file() else None
+    if resuming and (before or {}).get("machine") != here:
+        raise SystemExit(f"error: --out {out}: its outcomes come from {(before or {}).get('machine', 'an unrecorded processor kind')}, "
+                         f"this machine is {here}; CPU training reproduces per processor kind, so give another --out")
+    if resuming and (before or {}).get("grpo_overrides", {}) != overrides:
+        raise SystemExit(f"error: --out {out}: its models were trained with --set {json.dumps(before.get('grpo_overrides', {}))}, "
+                         f"not {json.dumps(overrides)}; give another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(f, json.dumps({"machine": here, "grpo_overrides": overrides}, indent=2) + "\n")
+    return here
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -200,8 +219,11 @@ def main() -> None:
     reuse = {main_job_seed(args.main_job_model): args.main_job_model} if args.main_job_model else {}
     reuse.update({int(k): Path(v) for k, v in (x.split("=", 1) for x in args.reuse.split(",") if x)})
     recipe = recipe_params(args.set, work)
-    # Resumable: an --out folder's outcomes.jsonl is kept, and a (model, split) already in it is not evaluated again.
+    # Resumable: an --out folder's outcomes.jsonl is kept, and a (model, split) already in it is not evaluated again,
+    # on the processor kind that made it only: CPU training reproduces its hashes per kind (the base and SFT models
+    # another kind trains differ), so another kind's outcomes are not this SFT model's or these seeds'.
     outcomes = load_outcomes(args.out / "outcomes.jsonl")
+    check_machine(args.out, bool(outcomes), json.loads(args.set))
     params_file = str(recipe or "params.yaml")  # the recipe's models are evaluated as it decodes (max_new_tokens)
     p, prof = load_params(params_file), load_profile("tiny-cpu", params_file)
     games = {split: list_games(args.games, split) for split in splits}

@@ -40,8 +40,11 @@ def test_the_figures_are_re_derived_from_the_committed_outcomes(tmp_path):
 
 
 def test_a_seed_run_stopped_part_way_keeps_its_outcomes_and_reports_the_seeds_done(tmp_path):
-    from grpo_seeds import load_outcomes, write_results
+    from grpo_seeds import check_machine, load_outcomes, write_results
 
+    from evoharness.core.environment import machine
+
+    assert check_machine(tmp_path, False, {}) == machine()  # a new run records the processor kind it trains on
     games = [f"g{i}#s0" for i in range(10)]
     outcomes = {("sft", sp): {g: int(i < 4) for i, g in enumerate(games)} for sp in ("valid_seen", "valid_unseen")}
     assert write_results(tmp_path, outcomes, ["valid_seen", "valid_unseen"], Path("data/panel")) is None  # no GRPO seed yet
@@ -53,6 +56,15 @@ def test_a_seed_run_stopped_part_way_keeps_its_outcomes_and_reports_the_seeds_do
     assert res["splits"]["valid_seen"]["ci95"] is None and "(one seed)" in (tmp_path / "results.md").read_text()
     assert load_outcomes(tmp_path / "outcomes.jsonl") == outcomes  # what a resumed run starts from
     assert rederive(tmp_path) == {k: res[k] for k in ("seeds", "splits")}
+    assert res["machine"] == machine() and check_machine(tmp_path, True, {}) == machine()  # resumed on the same kind
+    with pytest.raises(SystemExit, match="trained with --set {}"):
+        check_machine(tmp_path, True, {"turns_per_rollout": 32})  # another recipe's models: not mixed in
+    (tmp_path / "run.json").write_text(json.dumps({"machine": "Intel Xeon (family 6 model 143, avx512, 2 cores)", "grpo_overrides": {}}))
+    with pytest.raises(SystemExit, match=r"its outcomes come from Intel Xeon .* this machine is "):
+        check_machine(tmp_path, True, {})  # another kind's SFT model and seeds: not resumed here
+    (tmp_path / "run.json").unlink()
+    with pytest.raises(SystemExit, match="an unrecorded processor kind"):
+        check_machine(tmp_path, True, {})
 
 
 def test_nucleus_keeps_the_smallest_set_holding_top_p_of_the_mass():
