@@ -11,7 +11,8 @@ valid_unseen games) as the evaluate stage does, and reports per split:
 Everything it reads a figure from is written under ``--out``: ``outcomes.jsonl`` (one compact line per
 episode: model, split, game, won), ``results.json`` and ``results.md``, rewritten after every model's evaluation
 over the seeds done so far. Commit that folder; the models and episode logs go under ``--out``/work (not
-committed). A run stopped part-way resumes: what ``outcomes.jsonl`` already holds is not evaluated again.
+committed). A run stopped part-way resumes: what ``outcomes.jsonl`` already holds is not evaluated again, on the
+processor kind named in ``run.json`` only (CPU training reproduces per kind: another kind's SFT model differs).
 ``--main-job-model data/models/grpo-inline`` counts the main job's GRPO model as the seed dvc.lock says it was
 trained with (params ``seed``), instead of training that seed again.
 
