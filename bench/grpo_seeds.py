@@ -170,18 +170,18 @@ def recipe_params(overrides: str, work: Path) -> Path | None:
     return path
 
 
-def main_job_seed(model: Path) -> int:
+def main_job_seed(model: Path, root: Path = ROOT) -> int:
     """The seed the main job trained ``model`` with, read from dvc.lock's grpo stage (fails closed)."""
     import yaml
 
-    lock = yaml.safe_load(Path(ROOT, "dvc.lock").read_text()) if Path(ROOT, "dvc.lock").is_file() else {}
+    lock = yaml.safe_load(Path(root, "dvc.lock").read_text()) if Path(root, "dvc.lock").is_file() else {}
     stage = (lock.get("stages") or {}).get("grpo") or {}
     outs = {o["path"] for o in stage.get("outs") or []}
     seed = (stage.get("params") or {}).get("params.yaml", {}).get("seed")
     if str(model).rstrip("/") not in outs or seed is None:
         raise SystemExit(f"error: --main-job-model {model}: dvc.lock's grpo stage does not name it with a seed")
     # the folder must still be what dvc.lock recorded (DVC re-hashes it): a model changed since is not that seed
-    r = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", "grpo"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", "grpo"], cwd=root, capture_output=True, text=True)
     changed = [] if r.returncode != 0 else [x.get("changed outs") for x in json.loads(r.stdout or "{}").get("grpo", []) if isinstance(x, dict)]
     if r.returncode != 0 or any(changed):
         raise SystemExit(f"error: --main-job-model {model}: its outputs differ from dvc.lock's grpo stage "

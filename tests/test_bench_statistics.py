@@ -89,3 +89,25 @@ def test_sampling_bench_reports_avg_at_k_with_its_interval_across_seeds():
     assert r["greedy"] == 50.0 and r["sampled_per_seed"] == [30.0, 40.0, 50.0] and r["avg"] == 40.0
     assert r["ci95"] == [round(40 - 4.303 * 10 / 3 ** 0.5, 2), round(40 + 4.303 * 10 / 3 ** 0.5, 2)]
     assert "avg@3" in table({"seeds": [0, 1, 2], "models": {"m": {"valid_seen": r}}})
+
+
+def test_the_main_job_model_counts_as_its_seed_only_while_it_is_what_dvc_lock_recorded(tmp_path):
+    """``--main-job-model``: the seed comes from dvc.lock's grpo stage, and a model folder changed since (DVC re-hashes
+    it) or not named by the stage is refused, on a real DVC repository."""
+    from grpo_seeds import main_job_seed
+
+    from evoharness.ops.vcs import dvc, git
+
+    git(["init", "-q"], tmp_path)
+    dvc(["init", "-q"], tmp_path)
+    (tmp_path / "params.yaml").write_text("seed: 7\n")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  grpo:\n    cmd: python -c \"import pathlib; p = pathlib.Path('data/models/grpo'); "
+                                       "p.mkdir(parents=True, exist_ok=True); (p / 'weights').write_text('w')\"\n"
+                                       "    params: [seed]\n    outs: [data/models/grpo]\n")
+    dvc(["repro", "-q"], tmp_path)
+    assert main_job_seed(Path("data/models/grpo"), tmp_path) == 7
+    with pytest.raises(SystemExit, match="does not name it with a seed"):
+        main_job_seed(Path("data/models/grpo-other"), tmp_path)
+    (tmp_path / "data" / "models" / "grpo" / "weights").write_text("trained again since")
+    with pytest.raises(SystemExit, match="its outputs differ from dvc.lock's grpo stage"):
+        main_job_seed(Path("data/models/grpo"), tmp_path)
