@@ -179,12 +179,25 @@ def push_run_cache(root: Path, targets: list[str] | None = None) -> None:
     """Push the outputs (of ``targets``, default all) and the run-cache: each stage run's entry, so another
     machine restores the run instead of repeating it (``run_here``). DVC's ``push --run-cache`` leaves out the
     objects of an entry's ``cache: false`` outputs (the metrics it names), without which a restore fails as
-    "missing cache files": those are sent here, from this cache to the default remote, by DVC's own transfer."""
+    "missing cache files": those are sent too, from this cache to the default remote, by DVC's own transfer, in a
+    process of its own run as every DVC command is (``vcs.dvc``: watched by the guards, its group killed with it)."""
+    import sys
+
+    from evoharness.ops.vcs import _env, _last_error, _run_guarded
+
     root = Path(root)
     if not run_cache_supported(root):
         dvc(["push", *(targets or [])], root)
         return
     dvc(["push", "--run-cache", *(targets or [])], root)
+    r = _run_guarded([sys.executable, "-m", "evoharness.ops.stagerun", "push-uncached-run-outputs", str(root)], root, _env())
+    if r.returncode != 0:
+        raise EvoError(redact(_last_error(r.stderr or r.stdout).removeprefix("error: ")))
+
+
+def _push_uncached_run_outputs(root: Path) -> None:
+    """``push_run_cache``'s second half, in its own process: the objects of the run-cache entries' ``cache: false``
+    outputs that this cache holds, to the default remote."""
     from dvc.repo import Repo
     from dvc_data.hashfile.hash_info import HashInfo
     from dvc_data.hashfile.transfer import transfer
@@ -273,3 +286,13 @@ def dirty_inputs(root: Path, stage: str) -> list[str]:
 _MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
+if __name__ == "__main__":  # push_run_cache's own process: python -m evoharness.ops.stagerun push-uncached-run-outputs ROOT
+    import sys
+
+    if sys.argv[1:2] != ["push-uncached-run-outputs"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python -m evoharness.ops.stagerun push-uncached-run-outputs ROOT")
+    try:
+        _push_uncached_run_outputs(Path(sys.argv[2]))
+    except EvoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
