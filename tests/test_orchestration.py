@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from evoharness.ops.vcs import dvc, git
+from hosts import start_consolidator
 from project import commit, make_project, MICRO
 
 
@@ -103,6 +104,8 @@ def test_retrain_killed_mid_stage_resumes_without_redoing_finished_stages(prefec
         children = {r.data.tags["stage"]: r for r in c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{p.info.run_id}'")}
         assert set(children) == {*lock, "promote"}
         sft_ran = "sft_inline" in line.split(";")[0]
+        # a stage that resumed training says so on its run (the export of stage times leaves such a retrain out)
+        assert children["sft_inline"].data.tags.get("resumed_from") == (sft["resumed_from"] if sft_ran else None)
         assert children["games"].data.tags["cached"] == "true" and "machine" not in children["games"].data.tags
         # The processor kind, which decides whether CPU training reproduces a hash: the scheduler's, and each stage's that ran.
         assert p.data.tags["machine"] == environment.machine() and children["grpo"].data.tags["machine"] == environment.machine()
@@ -197,6 +200,49 @@ def test_two_checkouts_retraining_at_once_decide_one_after_the_other_on_one_trac
     assert second.tags["decision.champion_before"] == first.version  # decided against the first, not against "none"
     champion = c.get_model_version_by_alias("evoharness-test-tiny-cpu", "champion").version
     assert champion == (second.version if second.tags["decision"] == "promoted" else first.version)
+
+
+def test_an_evolving_evaluation_is_the_retrains_evaluate_stage_and_the_gate_keeps_it_apart(prefect_server, project):
+    """eval.bank: evolve with the LLM evolver on loopback: the retrain's evaluate stage plays each split in windows,
+    consolidates the bank between them through the server and checkpoints it; the outcomes reach the gate, the version
+    names the bank it started from, and the gate refuses to rank it against a champion evaluated on a frozen bank
+    (the module's first retrain's: this test follows it, as the two-checkout test does)."""
+    from mlflow import MlflowClient
+
+    from evoharness.ops import tracking
+
+    srv = start_consolidator([lambda n: json.dumps([{"op": "add", "category": "notes", "key": f"k{n}", "text": f"evolver note {n}"}])])
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    p["eval"]["bank"] = "evolve"
+    p["profiles"]["tiny-cpu"]["grpo"]["learning_rate"] *= 5  # a new candidate (the gate decides each model's weights once)
+    p["consolidator"] = {"endpoint": f"chat:base_url=http://127.0.0.1:{srv.server_port}/v1,model=evolver", "window": 2}
+    (project / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    try:
+        r = _cli(project, "run")
+    finally:
+        git(["checkout", "--", "params.yaml"], project)
+        srv.shutdown()
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    # baselines reruns too (it depends on every eval key), frozen as always
+    assert _line(out, "stages run:").startswith("stages run: baselines, grpo, evaluate;"), _line(out, "stages run:")
+    games = len(list((project / "data" / "panel" / "valid_seen").iterdir()))
+    windows = -(-games // 2)
+    for split in ("valid_seen", "valid_unseen"):
+        res = json.loads((project / "data" / "eval" / "grpo-inline" / split / "results.json").read_text())
+        assert res["bank_mode"] == "evolve" and res["windows"] == windows and len(res["consolidations"]) == windows
+        assert res["bank_digest"] != res["bank_start_digest"]  # the evolver's notes went in
+        assert len(list((project / "data" / "eval" / "grpo-inline" / split / "banks").glob("after-w???.json"))) == windows
+        assert res["summary"]["all"]["episodes"] == games
+    stage = json.loads((project / "data" / "eval" / "grpo-inline" / "results.json").read_text())
+    assert stage["bank_mode"] == "evolve" and stage["bank_final_digest_valid_seen"] != stage["bank_digest"]
+    banked = 3  # base-inline, sft-inline and grpo-inline; sft-env_only plays without a bank
+    assert len(srv.seen) == banked * 2 * windows  # every window of every banked model's splits, through the server
+    c = MlflowClient(tracking_uri=tracking.tracking_uri(project))
+    v = max(c.search_model_versions("name='evoharness-test-tiny-cpu'"), key=lambda v: int(v.version))
+    assert v.tags["bank_mode"] == "evolve" and v.tags["bank_digest"] == stage["bank_digest"]
+    assert v.tags["decision.state"] == "complete" and v.tags["decision"] != "promoted"
+    assert "champion evaluated under other conditions" in v.tags["decision.reasons"] and "inline+evolve" in v.tags["decision.reasons"]
 
 
 def test_an_unreachable_prefect_server_is_one_line(project):
