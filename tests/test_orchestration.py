@@ -237,7 +237,8 @@ def test_an_evolving_evaluation_is_the_retrains_evaluate_stage_and_the_gate_keep
     stage = json.loads((project / "data" / "eval" / "grpo-inline" / "results.json").read_text())
     assert stage["bank_mode"] == "evolve" and stage["bank_final_digest_valid_seen"] != stage["bank_digest"]
     banked = 3  # base-inline, sft-inline and grpo-inline; sft-env_only plays without a bank
-    assert len(srv.seen) == banked * 2 * windows  # every window of every banked model's splits, through the server
+    # every window of every banked model's splits, and GRPO's one update (it consolidates after each batch), through the server
+    assert len(srv.seen) == banked * 2 * windows + MICRO["profiles"]["tiny-cpu"]["grpo"]["steps"]
     c = MlflowClient(tracking_uri=tracking.tracking_uri(project))
     v = max(c.search_model_versions("name='evoharness-test-tiny-cpu'"), key=lambda v: int(v.version))
     assert v.tags["bank_mode"] == "evolve" and v.tags["bank_digest"] == stage["bank_digest"]
