@@ -358,3 +358,15 @@ def test_outputs_left_on_the_remote_count_as_up_to_date_only_while_absent(tmp_pa
     (root / "data" / "models" / "m").mkdir(parents=True)
     (root / "data" / "models" / "m" / "config.json").write_text("c\n")
     assert not stagerun.stage_up_to_date(root, "train", ["data/models"])
+
+
+def test_the_run_caches_metrics_push_fails_in_one_line_naming_what_and_where(tmp_path):
+    """push_run_cache's own process (``python -m evoharness.ops.stagerun``): whatever stops it reaches the caller as
+    one line naming the step and the folder."""
+    from evoharness.ops.vcs import python_module
+
+    with pytest.raises(EvoError) as e:
+        python_module("evoharness.ops.stagerun", ["push-uncached-run-outputs", str(tmp_path)], tmp_path, "pushing the run-cache's metrics objects")
+    msg = str(e.value)
+    assert msg.startswith(f"pushing the run-cache's metrics objects in {tmp_path}: ") and "\n" not in msg, msg
+    assert "Traceback" not in msg and len(msg) < 500

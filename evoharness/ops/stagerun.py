@@ -181,18 +181,15 @@ def push_run_cache(root: Path, targets: list[str] | None = None) -> None:
     objects of an entry's ``cache: false`` outputs (the metrics it names), without which a restore fails as
     "missing cache files": those are sent too, from this cache to the default remote, by DVC's own transfer, in a
     process of its own run as every DVC command is (``vcs.dvc``: watched by the guards, its group killed with it)."""
-    import sys
-
-    from evoharness.ops.vcs import _env, _last_error, _run_guarded
+    from evoharness.ops.vcs import python_module
 
     root = Path(root)
     if not run_cache_supported(root):
         dvc(["push", *(targets or [])], root)
         return
     dvc(["push", "--run-cache", *(targets or [])], root)
-    r = _run_guarded([sys.executable, "-m", "evoharness.ops.stagerun", "push-uncached-run-outputs", str(root)], root, _env())
-    if r.returncode != 0:
-        raise EvoError(redact(_last_error(r.stderr or r.stdout).removeprefix("error: ")))
+    python_module("evoharness.ops.stagerun", ["push-uncached-run-outputs", str(root)], root,
+                  "pushing the run-cache's metrics objects")
 
 
 def _push_uncached_run_outputs(root: Path) -> None:
@@ -222,8 +219,7 @@ def _push_uncached_run_outputs(root: Path) -> None:
         except Exception as e:  # noqa: BLE001 -- the remote's own error (network, credentials), as one line
             failed = {f"{type(e).__name__}: {redact(' '.join(str(e).split())[:200])}"}
         if failed:
-            raise EvoError(f"pushing the run-cache's metrics objects from {root}: {len(failed)} did not reach the remote "
-                           f"({sorted(map(str, failed))[0]})")
+            raise EvoError(f"{len(failed)} did not reach the remote ({sorted(map(str, failed))[0]})")
 
 
 def producers(root: Path, stage: str) -> list[str]:
@@ -293,6 +289,6 @@ if __name__ == "__main__":  # push_run_cache's own process: python -m evoharness
         raise SystemExit("usage: python -m evoharness.ops.stagerun push-uncached-run-outputs ROOT")
     try:
         _push_uncached_run_outputs(Path(sys.argv[2]))
-    except EvoError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 -- one line for the caller, whatever failed
+        print(f"error: {e if isinstance(e, EvoError) else f'{type(e).__name__}: {redact(str(e))[:300]}'}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -270,6 +270,15 @@ def dvc(args: list[str], cwd: Path, python: str | None = None) -> str:
     return out
 
 
+def python_module(module: str, args: list[str], cwd: Path, what: str) -> str:
+    """Run ``python -m module args`` as a DVC command is run (watched by the guards, its process group killed with this
+    process); a failure is one line: ``what``, then the module's own ``error: ...`` line or its last line."""
+    r = _run_guarded([sys.executable, "-m", module, *args], cwd, _env())
+    if r.returncode != 0:
+        raise EvoError(redact(f"{what} in {cwd}: {_last_error(r.stderr or r.stdout)}"))
+    return r.stdout
+
+
 def repo_root(start: Path | None = None) -> Path:
     start = Path(start or Path.cwd())
     root = Path(git(["rev-parse", "--show-toplevel"], start))
