@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from evoharness.core.errors import EvoError
-from evoharness.ops.vcs import check_lock, check_remote, dvc, git, parse_lock, unlock
+from evoharness.ops.lockfile import parse_lock
+from evoharness.ops.vcs import check_lock, check_remote, dvc, git, unlock
 from evoharness.ops.remote import ensure_remote
 from evoharness.ops.lineage import lineage
 from evoharness.ops.records import find_record

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from evoharness.core.errors import EvoError
-from evoharness.ops.vcs import git, lock_outs, parse_lock, repo_root
+from evoharness.ops.lockfile import lock_outs, parse_lock
+from evoharness.ops.vcs import git, repo_root
 
 # The identity a retrain's git record is committed as when none is configured here (a fresh server, a
 # container, a CI runner): passed to each command in its environment, never written to any git config.

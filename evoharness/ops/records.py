@@ -19,7 +19,8 @@ from pathlib import Path
 
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import redact
-from evoharness.ops.vcs import child_env, git, is_network_url, lock_outs, parse_lock, record_identity
+from evoharness.ops.lockfile import lock_outs, parse_lock
+from evoharness.ops.vcs import child_env, git, is_network_url, record_identity
 
 RECORD_PREFIX = "retrain/"
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from evoharness.core.environment import SETUP_OPTION, environment_file, installed, lock_of
 from evoharness.core.errors import EvoError
 from evoharness.ops.records import RECORD_PREFIX, SHA, find_record, record_ref
-from evoharness.ops.vcs import child_env, dvc, git, parse_lock, repo_root
+from evoharness.ops.lockfile import parse_lock
+from evoharness.ops.vcs import child_env, dvc, git, repo_root
 
 # Metrics a stage may report differently on a rerun when its output is not bitwise identical
 # (README, "Reproduce"): success rates and the like agree within this absolute tolerance.

@@ -14,7 +14,8 @@ import yaml
 from evoharness.core.environment import machine
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import redact
-from evoharness.ops.vcs import check_remote, default_remote, dvc, dvc_config, git, parse_lock, unlock
+from evoharness.ops.lockfile import parse_lock
+from evoharness.ops.vcs import check_remote, default_remote, dvc, dvc_config, git, unlock
 
 
 @dataclass

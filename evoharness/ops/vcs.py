@@ -1,7 +1,7 @@
 """git and DVC as the project runs them: the commands (DVC as ``python -m dvc`` with the virtualenv's ``bin`` first on
 PATH, so stage commands use this environment and, run from a worktree's root, import that worktree's code), the
-DVC remote's configuration and checks, DVC's locks, and dvc.lock's entries. Lineage, records, stage runs and
-reproduction all call these; this module calls none of them."""
+DVC remote's configuration and checks, and DVC's locks (dvc.lock's entries are ``lockfile``'s). Lineage, records,
+stage runs and reproduction all call these; this module calls none of them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from evoharness.core.errors import EvoError
 from evoharness.core.secrets import public_url, redact
@@ -393,48 +390,3 @@ def unlock(root: Path) -> list[int]:
             tmp.write_text(json.dumps(data))
             tmp.replace(rw)
     return sorted(set(removed))  # one entry per locked path: a process is named once
-
-
-@dataclass
-class Out:
-    stage: str
-    path: str
-    md5: str
-    kind: str  # "out" or "dep"
-
-
-def parse_lock(text: str, where: str | Path = "dvc.lock") -> dict:
-    """dvc.lock's stages, its shape checked (DVC's own: stages of deps and outs, each a path with its hash):
-    a file of another shape is one line naming it, never a traceback further on."""
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise EvoError(f"{where} is not valid YAML ({' '.join(str(e).split())})") from None
-
-    def bad(why: str) -> EvoError:
-        return EvoError(f"{where} is not a DVC lock file ({why}); restore it with `git checkout -- dvc.lock`")
-
-    if not isinstance(data, dict):
-        raise bad(f"{type(data).__name__} at the top level, not a mapping")
-    stages = data.get("stages") or {}
-    if not isinstance(stages, dict):
-        raise bad(f"stages is {type(stages).__name__}, not a mapping")
-    for name, st in stages.items():
-        if not isinstance(st, dict):
-            raise bad(f"stage {str(name)[:60]!r} is {type(st).__name__}, not a mapping")
-        for kind in ("deps", "outs"):
-            items = st.get(kind) or []
-            if not isinstance(items, list) or not all(isinstance(o, dict) and isinstance(o.get("path"), str) for o in items):
-                raise bad(f"stage {str(name)[:60]!r} has {kind} that are not a list of paths")
-        if not isinstance(st.get("params") or {}, dict):
-            raise bad(f"stage {str(name)[:60]!r} has params that are not a mapping")
-    return stages
-
-
-def lock_outs(stages: dict) -> list[Out]:
-    res = []
-    for name, st in stages.items():
-        for kind in ("outs", "deps"):
-            for o in st.get(kind, []) or []:
-                res.append(Out(name, o["path"], str(o.get("md5", "")), kind[:-1]))
-    return res
