@@ -25,6 +25,19 @@ for _var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_C
     os.environ.pop(_var, None)
 
 
+# scripts/test.sh runs two pytest-xdist workers, a whole file on one (``--dist loadfile``), the files in this order
+# (``--no-loadscope-reorder``): the longest first, so that the two end together. test_two_hosts trains on the CPU
+# while test_pool_faults, beside it, mostly waits (its stages sleep). Within a file, tests keep their order (some
+# build on what an earlier one made). Each worker is a session: its own servers, HOME and worker host.
+LONGEST_FIRST = ("test_two_hosts.py", "test_pool_faults.py", "test_distributed.py", "test_orchestration.py", "test_dvc.py",
+                 "test_vllm.py", "test_training.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 # One secret for the session's credentials (the WebDAV remote's password, the MLflow server's), so that a test can
 # grep every store for it (test_two_hosts' canary).
 CANARY = "canary" + secrets.token_hex(10)
@@ -347,7 +360,9 @@ def git_server(hosts_dir):
     _stop(proc)
 
 
-WORKER_USER = "evo-gpu"
+# One worker host per pytest-xdist worker (scripts/test.sh runs two): a test that kills the worker host's processes
+# kills that user's, never the other worker's jobs.
+WORKER_USER = "evo-gpu" + (f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
 
 # The worker host: another user, in its own mount namespace where the orchestrator's folders are empty
 # and, of the folder that holds this machine's Python (root's home, closed to others), only the Python
