@@ -174,6 +174,17 @@ def test_gate_registers_promotes_and_never_moves_the_champion_on_a_rejection(sto
     again = candidate(4, ev("grpo-inline", 0, 0), md5=3)  # the same model (same DVC hash) again: nothing new is decided
     assert again.reused and again.version == "3" and again.promoted
     assert len(c.search_model_versions(f"name='{name}'")) == 3 and champion() == "3"
+    # The same model evaluated under other conditions (another step budget) is new evidence: a version and a decision
+    # of its own, made against the champion, which was evaluated otherwise, so it is not promoted on it.
+    other = candidate(5, ev("grpo-inline", 30, 16, cond={**COND, "max_steps": "40"}), md5=3,
+                      r=refs(cond={**COND, "max_steps": "40"}))
+    assert not other.reused and other.version == "4" and not other.promoted and champion() == "3"
+    assert "other conditions" in " ".join(other.reasons), other.reasons
+    tags4 = c.get_model_version(name, "4").tags
+    assert tags4["dvc_md5"] == "md5-3" and tags4["cond.max_steps"] == "40" and tags4["decision.state"] == "complete"
+    again = candidate(6, ev("grpo-inline", 30, 16, cond={**COND, "max_steps": "40"}), md5=3, r=refs(cond={**COND, "max_steps": "40"}))
+    assert again.reused and again.version == "4"
+    assert candidate(7, ev("grpo-inline", 0, 0), md5=3).version == "3"  # the first conditions still find their own decision
     # The reviewer's page is the version's description: decision, checks with values and thresholds, the table, the plot.
     desc = c.get_model_version(name, "2").description
     assert "REJECTED" in desc and "| seen_success | 0.200 | >= 0.300 | **FAIL** |" in desc and "| valid_seen | champion |" in desc
@@ -182,11 +193,11 @@ def test_gate_registers_promotes_and_never_moves_the_champion_on_a_rejection(sto
     logged = {a.path for a in c.list_artifacts(run2, "promotion")}
     assert {"promotion/promotion.md", "promotion/annealing.png", "promotion/decision.json", "promotion/evidence.json"} <= logged
     rows = promotion.promotions(c, "agent-")
-    assert [r["version"] for r in rows] == [3, 2, 1] and rows[0]["aliases"] == "challenger,champion"
+    assert [r["version"] for r in rows] == [4, 3, 2, 1] and rows[0]["aliases"] == "challenger" and rows[1]["aliases"] == "champion"
     out = subprocess.run([sys.executable, "-m", "evoharness.cli", "promotions", "--model", "agent-"], cwd=tmp_path,
                          capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
-    assert "rejected" in out.stdout.splitlines()[2] and "champion" in out.stdout.splitlines()[1]
+    assert "rejected" in out.stdout.splitlines()[1] and "champion" in out.stdout.splitlines()[2]
 
 
 def test_a_hand_made_zero_percent_candidate_never_replaces_a_champion(store):

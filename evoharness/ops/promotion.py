@@ -91,7 +91,7 @@ def gate(c, name: str, run_id: str, model_dir: Path, model_md5: str, cand: Evide
 def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, cand: Evidence, refs: dict[str, Evidence], t: Thresholds,
              curve: list[dict], report_dir: Path, log_weights: bool = True, model_digest: str | None = None,
              evaluated_md5: str | None = None) -> Decision:
-    """Register the candidate (once per DVC hash), decide, tag, describe, write the report, and leave the
+    """Register the candidate (once per DVC hash and evaluation conditions), decide, tag, describe, write the report, and leave the
     decision ``pending``: no alias moves until ``finalize``. A version left pending by an interrupted gate
     is decided again on the champion it saw, not re-registered; a complete one is returned as reused.
     What binds the evidence to the model: ``evaluated_md5`` (the DVC hash of the model the evaluation read, from
@@ -120,7 +120,12 @@ def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, 
         except MlflowException as e2:  # made a moment ago by another retrain's gate
             if getattr(e2, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise EvoError(f"promotion: cannot register model {name} ({type(e2).__name__}); nothing moved") from None
-    existing = c.search_model_versions(f"name='{name}' and tag.dvc_md5='{model_md5}'")
+    # One version per model and evaluation conditions: the same weights evaluated otherwise (another bank mode, step
+    # budget, panel) are decided again as a version of their own, never given the decision made on other evidence. A
+    # version with no conditions tag yet is one an interrupted gate left just after creating it: this gate's own.
+    cond = conditions_hash(cand.conditions)
+    existing = [m for m in c.search_model_versions(f"name='{name}' and tag.dvc_md5='{model_md5}'")
+                if (m.tags or {}).get("cond.hash", cond) == cond]
     mv = max(existing, key=lambda m: int(m.version)) if existing else None
     if mv is not None and (mv.tags or {}).get("decision.state") == "complete":
         tags = mv.tags
@@ -138,7 +143,7 @@ def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, 
         run_id = mv.run_id
     else:
         champ, champ_ev = read_champion(c, name)
-    best = best_so_far(c, name, conditions_hash(cand.conditions))
+    best = best_so_far(c, name, cond)
     decision = decide(cand, champ_ev, refs, best, t)
     decision.champion_version = str(champ.version) if champ is not None else None
     decision.extra["run_id"] = run_id
