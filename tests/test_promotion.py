@@ -245,6 +245,20 @@ def test_a_retried_gate_completes_the_decision_it_left_pending(store):
     assert c.get_model_version(name, "1").tags["decision.state"] == "complete" and len(c.search_model_versions(f"name='{name}'")) == 1
 
 
+
+def test_a_version_left_pending_just_after_its_creation_is_resumed_only_under_its_own_conditions(store):
+    c, name, candidate, champion = store
+    broken = Faulty(c, "set_model_version_tag", ConnectionError("the tracking server went away"))
+    with pytest.raises(ConnectionError):
+        candidate(1, ev("grpo-inline", 24, 15), client=broken)  # created, none of the decision's tags set
+    (mv,) = c.search_model_versions(f"name='{name}'")
+    assert mv.tags["decision.state"] == "pending" and "decision" not in mv.tags and mv.tags["cond.hash"]
+    other = {**COND, "mode": "inline+evolve"}
+    d = candidate(2, ev("grpo-inline", 24, 15, cond=other), md5=1, r=refs(cond=other))  # the same weights, evaluated otherwise
+    assert d.version == "2" and c.get_model_version(name, "1").tags["decision.state"] == "pending"
+    d = candidate(3, ev("grpo-inline", 24, 15), md5=1)  # the retry under the first conditions completes version 1
+    assert d.version == "1" and not d.reused and c.get_model_version(name, "1").tags["decision.state"] == "complete"
+
 def test_no_alias_moves_before_the_runs_git_record_exists(store, tmp_path):
     """The record is made between the decision and its aliases: a record that fails leaves the version
     pending and the champion where it was; the rerun completes the decision and the version names its record."""

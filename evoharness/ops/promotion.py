@@ -121,8 +121,8 @@ def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, 
             if getattr(e2, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise EvoError(f"promotion: cannot register model {name} ({type(e2).__name__}); nothing moved") from None
     # One version per model and evaluation conditions: the same weights evaluated otherwise (another bank mode, step
-    # budget, panel) are decided again as a version of their own, never given the decision made on other evidence. A
-    # version with no conditions tag yet is one an interrupted gate left just after creating it: this gate's own.
+    # budget, panel) are decided again as a version of their own, never given the decision made on other evidence. Every
+    # version is created with its conditions' hash; one without (registered before versions carried it) counts as matching.
     cond = conditions_hash(cand.conditions)
     existing = [m for m in c.search_model_versions(f"name='{name}' and tag.dvc_md5='{model_md5}'")
                 if (m.tags or {}).get("cond.hash", cond) == cond]
@@ -168,7 +168,7 @@ def register(c, name: str, run_id: str, model_dir: Path | None, model_md5: str, 
         c.log_artifact(run_id, str(report_dir / "evidence.json"), "promotion")
         source = f"{c.get_run(run_id).info.artifact_uri}/model"
         mv = c.create_model_version(name, source=source, run_id=run_id, description=f"GRPO model, DVC md5 {model_md5} (decision pending)",
-                                    tags={"dvc_md5": model_md5, "weights_in_mlflow": str(log_weights).lower(), "decision.state": "pending",
+                                    tags={"dvc_md5": model_md5, "cond.hash": cond, "weights_in_mlflow": str(log_weights).lower(), "decision.state": "pending",
                                           "decision.champion_before": decision.champion_version or "none"})
     decision.version = str(mv.version)
     for k, v in version_tags(decision, cand).items():
