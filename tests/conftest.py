@@ -26,7 +26,7 @@ for _var in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_C
 
 
 # scripts/test.sh runs two pytest-xdist workers, a whole file on one (``--dist loadfile``), the files in this order
-# (``--no-loadscope-reorder``): the longest first, so that the two end together. test_two_hosts trains on the CPU
+# (``--no-loadscope-reorder``): the longest first, so that no long file starts last. test_two_hosts trains on the CPU
 # while test_pool_faults, beside it, mostly waits (its stages sleep). Within a file, tests keep their order (some
 # build on what an earlier one made). Each worker is a session: its own servers, HOME and worker host.
 LONGEST_FIRST = ("test_two_hosts.py", "test_pool_faults.py", "test_distributed.py", "test_orchestration.py", "test_dvc.py",
